@@ -1,0 +1,111 @@
+"""The (dp, pp) process mesh: which stage and which replica this process is, and the groups it talks in.
+
+Ranks of one pipeline column (one replica, all stages) are consecutive, ``rank = replica * pp + stage``,
+so that on multi-GPU nodes the chatty pipeline traffic stays inside a node and only the rare outer
+sync crosses nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def mesh_shape(world_size: int, pipeline_stages: int) -> tuple[int, int]:
+    """Returns ``(num_replicas, num_stages)`` for ``world_size`` processes, or raises a clear error."""
+    if pipeline_stages < 1:
+        raise ValueError(f"pipeline_stages must be >= 1, got {pipeline_stages}.")
+    if world_size % pipeline_stages != 0:
+        raise ValueError(
+            f"The world size ({world_size} processes) is not divisible by pipeline_stages={pipeline_stages}: "
+            f"launch a multiple of {pipeline_stages} processes (num_replicas x pipeline_stages)."
+        )
+    return world_size // pipeline_stages, pipeline_stages
+
+
+def rank_of(replica: int, stage: int, num_stages: int) -> int:
+    return replica * num_stages + stage
+
+
+@dataclass
+class PipelineMesh:
+    """Owns every process group of a NoLoCo run.
+
+    Attributes:
+        rank: global rank of this process.
+        stage: pipeline stage index of this process (0 = embeddings, last = lm head).
+        replica: data-parallel replica index of this process within its stage.
+        num_stages / num_replicas: the mesh shape (pp, dp).
+        replica_group: the ``num_replicas`` processes that hold this stage (outer sync, ddp, divergence).
+        column_group: the ``num_stages`` processes of this replica (loss broadcast, export).
+    """
+
+    rank: int
+    world_size: int
+    num_stages: int
+    num_replicas: int
+    replica_group: dist.ProcessGroup | None
+    column_group: dist.ProcessGroup | None
+    device: torch.device
+
+    @classmethod
+    def build(cls, pipeline_stages: int, device: torch.device | str | None = None) -> "PipelineMesh":
+        """Builds the mesh over the default process group, which must already be initialised."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: launch with `accelerate launch` or `torchrun`.")
+        world_size = dist.get_world_size()
+        num_replicas, num_stages = mesh_shape(world_size, pipeline_stages)
+        device = torch.device(device) if device is not None else _default_device()
+        # Every rank must create every group in the same order (new_group is collective).
+        replica_group = column_group = None
+        for stage in range(num_stages):
+            ranks = [rank_of(r, stage, num_stages) for r in range(num_replicas)]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                replica_group = group
+        for replica in range(num_replicas):
+            ranks = [rank_of(replica, s, num_stages) for s in range(num_stages)]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                column_group = group
+        return cls(dist.get_rank(), world_size, num_stages, num_replicas, replica_group, column_group, device)
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.num_stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.num_stages
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def rank_of(self, replica: int, stage: int) -> int:
+        """Global rank of ``replica`` of ``stage``."""
+        return rank_of(replica, stage, self.num_stages)
+
+    def replica_ranks(self, stage: int | None = None) -> list[int]:
+        """Global ranks of all replicas of ``stage`` (default: this process's stage), by replica index."""
+        stage = self.stage if stage is None else stage
+        return [self.rank_of(r, stage) for r in range(self.num_replicas)]
+
+    def column_ranks(self) -> list[int]:
+        """Global ranks of this replica's column, by stage."""
+        return [self.rank_of(self.replica, s) for s in range(self.num_stages)]
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (stage {self.stage}, replica {self.replica})"
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

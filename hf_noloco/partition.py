@@ -1,0 +1,297 @@
+"""Split a Llama-family causal LM into pipeline stages by decoder layers, and put the pieces back together.
+
+A stage keeps the original module names (``model.embed_tokens``, ``model.layers.7``, ``model.norm``,
+``lm_head``), so its state dict is a slice of the full model's and export is a merge. Decoder layers are
+held in a ``ModuleDict`` keyed by their global index for exactly that reason.
+
+Each stage computes the causal mask and the rotary embeddings itself: in transformers they are made once
+in ``<Model>Model.forward``, which a stage never calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+IGNORE_INDEX = -100
+
+EXPECTED_LAYOUT = (
+    "a Llama-family *ForCausalLM with `model.embed_tokens`, `model.layers` (a ModuleList of decoder "
+    "layers), `model.norm`, `model.rotary_emb` and `lm_head` (Llama, Mistral, Qwen2, Qwen3, SmolLM, TinyLlama, ...)"
+)
+
+
+def check_llama_layout(model: nn.Module) -> None:
+    """Raises a ``ValueError`` naming what is missing when ``model`` is not laid out like Llama."""
+    base = getattr(model, "model", None)
+    missing = []
+    if base is None:
+        missing.append("model")
+    else:
+        for name in ("embed_tokens", "norm", "rotary_emb"):
+            if not isinstance(getattr(base, name, None), nn.Module):
+                missing.append(f"model.{name}")
+        if not isinstance(getattr(base, "layers", None), nn.ModuleList):
+            missing.append("model.layers (ModuleList)")
+    if not isinstance(getattr(model, "lm_head", None), nn.Module):
+        missing.append("lm_head")
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__} is not a Llama-family causal LM: it lacks {', '.join(missing)}. "
+            f"hf_noloco splits {EXPECTED_LAYOUT}."
+        )
+
+
+def stage_layer_ranges(
+    num_layers: int, num_stages: int, boundaries: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
+    """``[(start, end), ...]``: the decoder layers of each stage, end exclusive.
+
+    Without ``boundaries`` the layers are split as evenly as possible, earlier stages taking the remainder
+    (10 layers over 3 stages: 4/3/3). ``boundaries`` lists the first layer of stages 1..num_stages-1,
+    e.g. ``[4, 7]`` for 4/3/3.
+    """
+    if num_stages < 1:
+        raise ValueError(f"pipeline_stages must be >= 1, got {num_stages}.")
+    if num_stages > num_layers:
+        raise ValueError(
+            f"pipeline_stages={num_stages} is more than the model's {num_layers} decoder layers: "
+            "every stage needs at least one layer."
+        )
+    if boundaries is None:
+        base, extra = divmod(num_layers, num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        starts = [sum(sizes[:s]) for s in range(num_stages)]
+    else:
+        boundaries = list(boundaries)
+        if len(boundaries) != num_stages - 1:
+            raise ValueError(
+                f"stage_boundaries must list the first layer of stages 1..{num_stages - 1} "
+                f"({num_stages - 1} numbers), got {boundaries}."
+            )
+        starts = [0] + boundaries
+        if any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= num_layers:
+            raise ValueError(
+                f"stage_boundaries {boundaries} do not split layers 0..{num_layers - 1} into {num_stages} "
+                "non-empty stages: they must be strictly increasing, above 0 and below the layer count."
+            )
+    ends = starts[1:] + [num_layers]
+    return list(zip(starts, ends))
+
+
+def _tied_embeddings(config: PretrainedConfig) -> bool:
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
+class PipelineStage(nn.Module):
+    """One pipeline stage of a Llama-family causal LM.
+
+    ``forward`` takes token ids on the first stage and hidden states elsewhere, and returns hidden states,
+    or logits on the last stage. Parameter names are those of the full model.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        stage_index: int,
+        num_stages: int,
+        layer_range: tuple[int, int],
+        layers: Sequence[nn.Module],
+        rotary_emb: nn.Module,
+        embed_tokens: nn.Module | None = None,
+        norm: nn.Module | None = None,
+        lm_head: nn.Module | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.layer_range = layer_range
+        self.model = nn.Module()
+        if embed_tokens is not None:
+            self.model.embed_tokens = embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): layer for i, layer in zip(range(*layer_range), layers)})
+        if norm is not None:
+            self.model.norm = norm
+        self.model.rotary_emb = rotary_emb
+        if lm_head is not None:
+            self.lm_head = lm_head
+        layer_types = getattr(config, "layer_types", None)
+        sliding = getattr(config, "sliding_window", None) is not None
+        self._layer_types = [
+            layer_types[i] if layer_types is not None else ("sliding_attention" if sliding else "full_attention")
+            for i in range(*layer_range)
+        ]
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(inputs) if self.is_first else inputs
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask_kwargs = dict(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+            position_ids=position_ids,
+        )
+        masks = {}
+        if "full_attention" in self._layer_types:
+            masks["full_attention"] = create_causal_mask(**mask_kwargs)
+        if "sliding_attention" in self._layer_types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+        position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
+        for layer, layer_type in zip(self.model.layers.values(), self._layer_types):
+            hidden = layer(
+                hidden, attention_mask=masks[layer_type], position_ids=position_ids,
+                position_embeddings=position_embeddings,
+            )
+        if self.is_last:
+            hidden = self.lm_head(self.model.norm(hidden))
+        return hidden
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy and the number of target tokens, as ``LlamaForCausalLM`` computes
+    them (labels shifted inside, ``-100`` ignored, logits upcast to float32)."""
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
+    return loss, (shift_labels != IGNORE_INDEX).sum()
+
+
+def split_model(
+    model: PreTrainedModel,
+    stage_index: int,
+    num_stages: int,
+    stage_boundaries: Sequence[int] | None = None,
+) -> PipelineStage:
+    """The stage ``stage_index`` of ``model``, sharing its modules (no copy). ``model`` may live on the meta
+    device; see :func:`build_stage` for materialising only the stage."""
+    check_llama_layout(model)
+    config = model.config
+    if num_stages > 1 and _tied_embeddings(config):
+        raise ValueError(
+            f"{type(model).__name__} ties its input embeddings to lm_head (tie_word_embeddings=True), and "
+            f"pipeline_stages={num_stages} would put the two on different stages, where they would silently "
+            "train as two copies. Use pipeline_stages=1, or untie them first: load the model with "
+            "`tie_word_embeddings=False` (lm_head then starts as a copy of the embeddings)."
+        )
+    layers = model.model.layers
+    ranges = stage_layer_ranges(len(layers), num_stages, stage_boundaries)
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}.")
+    start, end = ranges[stage_index]
+    first, last = stage_index == 0, stage_index == num_stages - 1
+    return PipelineStage(
+        config,
+        stage_index,
+        num_stages,
+        (start, end),
+        [layers[i] for i in range(start, end)],
+        rotary_emb=model.model.rotary_emb,
+        embed_tokens=model.model.embed_tokens if first else None,
+        norm=model.model.norm if last else None,
+        lm_head=model.lm_head if last else None,
+    )
+
+
+def build_stage(
+    config: PretrainedConfig,
+    stage_index: int,
+    num_stages: int,
+    stage_boundaries: Sequence[int] | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> PipelineStage:
+    """Builds one stage without ever holding the full model: the model is built on the meta device, the
+    stage is materialised on ``device``, then filled from ``checkpoint`` (a folder of safetensors files)
+    or initialised as ``from_config`` would."""
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    stage = split_model(meta_model, stage_index, num_stages, stage_boundaries)
+    stage.to_empty(device=device)
+    # Rotary buffers are computed, not stored: rebuild them on the real device.
+    with torch.device(device):
+        stage.model.rotary_emb = type(meta_model.model.rotary_emb)(config=meta_model.config)
+    if checkpoint is not None:
+        load_stage_weights(stage, checkpoint)
+    else:
+        for module in stage.modules():
+            meta_model._init_weights(module)
+    return stage
+
+
+def _safetensors_files(checkpoint: str | os.PathLike) -> dict[str, str]:
+    """``{tensor name: file}`` for a folder holding ``model.safetensors`` or a sharded index."""
+    folder = os.fspath(checkpoint)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.exists(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise FileNotFoundError(
+        f"No model.safetensors or model.safetensors.index.json in {folder}: hf_noloco loads safetensors "
+        "checkpoints only (re-save the model with `save_pretrained`)."
+    )
+
+
+def load_stage_weights(stage: PipelineStage, checkpoint: str | os.PathLike) -> None:
+    """Reads only this stage's tensors from a safetensors checkpoint into ``stage``."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(checkpoint)
+    wanted = stage.state_dict()
+    by_file: dict[str, list[str]] = {}
+    for name in wanted:
+        source = name
+        if name not in files and name == "lm_head.weight":
+            source = "model.embed_tokens.weight"  # tied checkpoints store only the embeddings
+        if source not in files:
+            raise KeyError(f"{name} is missing from the checkpoint {os.fspath(checkpoint)}.")
+        by_file.setdefault(files[source], []).append((name, source))
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for name, source in names:
+                    wanted[name].copy_(f.get_tensor(source))
+
+
+def resolve_checkpoint(model_name_or_path: str, revision: str | None = None) -> str:
+    """A local folder for ``model_name_or_path``: itself, or the Hub snapshot of its config and weights."""
+    if os.path.isdir(model_name_or_path):
+        return model_name_or_path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(
+        model_name_or_path, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]
+    )
+
+
+def load_config(model_name_or_path: str, **overrides) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(model_name_or_path, **overrides)

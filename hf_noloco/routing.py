@@ -1,0 +1,96 @@
+"""The permutation router: which replica of the next stage each sample goes to. Pure; no communication.
+
+At boundary ``b`` (stage b -> b+1) a sample is routed by a permutation ``pi`` of the replicas: replica
+``r`` of stage b sends it to replica ``pi[r]`` of stage b+1, and replica ``q`` of stage b+1 receives it
+from ``pi_inverse[q]``. The permutation is a pure function of ``(seed, boundary, key)``, so every rank
+derives the same one without messages. The key is the sample index (``sample`` granularity, as in the
+official code), the optimizer step (``step``, as in the paper's text), or nothing (``fixed``: identity).
+
+Rows keep their position within a microbatch at every stage; only the replica that computes them changes.
+The hash and shuffle are written out in plain integer arithmetic so that every platform and every torch
+version draws the same permutations.
+"""
+
+from __future__ import annotations
+
+ROUTING_GRANULARITIES = ("sample", "step", "fixed")
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_permutation(n: int, *keys: int) -> list[int]:
+    """A uniformly random permutation of ``range(n)`` determined by the integer ``keys`` (Fisher-Yates)."""
+    state = 0
+    for key in keys:
+        state = _splitmix64(state ^ (key & _MASK64))
+    perm = list(range(n))
+    for i in range(n - 1, 0, -1):
+        state = _splitmix64(state)
+        j = state % (i + 1)  # modulo bias is < i / 2**64: negligible
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def inverse_permutation(perm: list[int]) -> list[int]:
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return inverse
+
+
+class Router:
+    """Draws the replica pairing between neighbouring stages.
+
+    Args:
+        num_replicas: replicas per stage (dp).
+        granularity: ``"sample"``, ``"step"`` or ``"fixed"``.
+        seed: shared by every rank of the run.
+    """
+
+    def __init__(self, num_replicas: int, granularity: str = "sample", seed: int = 0):
+        if granularity not in ROUTING_GRANULARITIES:
+            raise ValueError(f"Unknown routing {granularity!r}: choose one of {', '.join(ROUTING_GRANULARITIES)}.")
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
+        self.num_replicas = num_replicas
+        self.granularity = granularity
+        self.seed = seed
+        self._identity = list(range(num_replicas))
+
+    def permutation(self, boundary: int, step: int, sample: int) -> list[int]:
+        """``perm[r]`` = the replica of stage ``boundary + 1`` that receives, from replica ``r`` of stage
+        ``boundary``, the sample with per-replica index ``sample`` in optimizer step ``step``."""
+        if self.granularity == "fixed" or self.num_replicas == 1:
+            return self._identity
+        key = sample if self.granularity == "sample" else step
+        return seeded_permutation(self.num_replicas, self.seed, boundary, key)
+
+    def destinations(self, boundary: int, step: int, samples: range | list[int], replica: int) -> list[int]:
+        """For each sample, the replica of stage ``boundary + 1`` that ``replica`` sends it to."""
+        return [self.permutation(boundary, step, s)[replica] for s in samples]
+
+    def sources(self, boundary: int, step: int, samples: range | list[int], replica: int) -> list[int]:
+        """For each sample, the replica of stage ``boundary`` that ``replica`` of stage ``boundary + 1``
+        receives it from."""
+        return [self.permutation(boundary, step, s).index(replica) for s in samples]
+
+    def origin(self, stage: int, step: int, sample: int, replica: int) -> int:
+        """The stage-0 replica (the data shard) whose sample sits at ``replica`` of ``stage``."""
+        for boundary in reversed(range(stage)):
+            replica = self.permutation(boundary, step, sample).index(replica)
+        return replica
+
+
+def group_rows_by_peer(peers: list[int]) -> dict[int, list[int]]:
+    """``{peer: [row indices in ascending order]}``; both ends of a message list its rows in this order."""
+    groups: dict[int, list[int]] = {}
+    for row, peer in enumerate(peers):
+        groups.setdefault(peer, []).append(row)
+    return groups
