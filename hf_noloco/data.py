@@ -1,0 +1,541 @@
+"""Datasets: loading (Hub, local files, the built-in corpus), a BPE tokenizer for from-scratch runs, packing.
+
+Every function here is deterministic: the same inputs give the same rows in the same order on every rank
+and every machine, so each process of a multi-process job can call them (the caller may wrap them in
+``main_process_first`` so that rank 0 fills the ``datasets`` cache and the others read it).
+
+The built-in corpus, ``BUILTIN_DATASET``, is the English documentation that ships with every CPython:
+the ``pydoc`` topics (``pydoc_data.topics``), the docstrings of the standard library (read with ``ast``,
+so no module is imported and nothing runs) and those of ``builtins``. It needs no network, which makes it
+the default for a first run and for tests.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import sys
+import sysconfig
+from collections.abc import Iterable, Iterator
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+from datasets import Dataset, DatasetDict
+
+BUILTIN_DATASET = "builtin:python-docs"
+
+# Special tokens of the tokenizer trained by `train_bpe_tokenizer`.
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
+
+# File types `load_text_dataset` reads, mapped to the `datasets` packaged builder that reads them.
+_BUILDER_BY_EXTENSION = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+# Standard-library folders that Linux distributions ship as separate packages (python3-tk, idle, the test
+# suite, ...) or that hold no prose (codec tables, vendored wheels). Skipping them keeps the built-in corpus
+# the same on every installation of one Python version.
+_SKIPPED_STDLIB_DIRS = frozenset(
+    {
+        "__pycache__",
+        "__phello__",
+        "dist-packages",
+        "distutils",
+        "encodings",
+        "ensurepip",
+        "idle_test",
+        "idlelib",
+        "lib-dynload",
+        "lib2to3",
+        "pydoc_data",  # read through its module, see `_topic_documents`
+        "site-packages",
+        "test",
+        "tests",
+        "tkinter",
+        "turtledemo",
+        "venv",
+    }
+)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The built-in corpus
+
+
+def _topic_documents() -> list[str]:
+    """One document per pydoc topic (the language reference sections `help("FOR")` shows), sorted by name."""
+    from pydoc_data.topics import topics
+
+    return [f"{name}\n\n{text.strip()}" for name, text in sorted(topics.items()) if text.strip()]
+
+
+def _stdlib_module_files() -> list[tuple[str, str]]:
+    """``(module name, path)`` of the pure-Python standard library, sorted by module name."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Pruning in place stops os.walk from descending into skipped folders.
+        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_STDLIB_DIRS and not d.startswith("config-")]
+        for filename in filenames:
+            if not filename.endswith(".py") or filename.startswith("_sysconfigdata"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, filename), root)[: -len(".py")]
+            parts = rel.split(os.sep)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found.append((".".join(parts), os.path.join(dirpath, filename)))
+    return sorted(found)
+
+
+def _collect_docstrings(body: list[ast.stmt], prefix: str, out: list[str]) -> None:
+    """Appends ``"name\\n\\ndocstring"`` for every class/function defined in ``body``, depth first.
+
+    Only statements whose bodies define API (classes, functions, and the ``if``/``try`` blocks that
+    choose an implementation) are visited: a full ``ast.walk`` costs twice as much for no extra prose.
+    """
+    for node in body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            name = f"{prefix}.{node.name}"
+            doc = ast.get_docstring(node)
+            if doc:
+                kind = "class" if isinstance(node, ast.ClassDef) else "def"
+                out.append(f"{kind} {name}\n\n{doc}")
+            _collect_docstrings(node.body, name, out)
+        elif isinstance(node, ast.If):
+            _collect_docstrings(node.body, prefix, out)
+            _collect_docstrings(node.orelse, prefix, out)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                _collect_docstrings(block, prefix, out)
+
+
+def _module_documents() -> list[str]:
+    """One document per standard-library module: its docstring and those of its classes and functions.
+
+    The sources are parsed with `ast` rather than imported: importing every module would run code
+    (``antigravity`` opens a browser) and depend on which C extensions the build has.
+    """
+    docs = []
+    for module, path in _stdlib_module_files():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            source = f.read()
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:  # e.g. a file patched by a distribution; never fatal for a corpus
+            continue
+        parts = []
+        module_doc = ast.get_docstring(tree)
+        if module_doc:
+            parts.append(module_doc)
+        _collect_docstrings(tree.body, module, parts)
+        if parts:
+            docs.append(f"Help on module {module}:\n\n" + "\n\n".join(parts))
+    return docs
+
+
+def _builtins_document() -> str:
+    """The docstrings of the built-in functions and types (``len``, ``str.split``, ...), one document."""
+    import builtins
+
+    # Slot wrappers (``__init__``, ``__lt__``...) repeat object's boilerplate docstrings on every type.
+    boilerplate = {getattr(getattr(object, n, None), "__doc__", None) for n in dir(object)}
+    parts = []
+    for name in sorted(vars(builtins)):
+        obj = getattr(builtins, name)
+        if name.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)) or not obj.__doc__:
+            continue
+        parts.append(f"{name}\n\n{inspect.cleandoc(obj.__doc__)}")
+        if inspect.isclass(obj):
+            for attr, value in sorted(vars(obj).items()):
+                doc = getattr(value, "__doc__", None)
+                if attr.startswith("_") or not isinstance(doc, str) or doc in boilerplate:
+                    continue
+                parts.append(f"{name}.{attr}\n\n{inspect.cleandoc(doc)}")
+    return "Help on module builtins:\n\n" + "\n\n".join(parts)
+
+
+def _generate_builtin_corpus(python_version: str) -> Iterator[dict[str, str]]:
+    # `python_version` is unused here but is part of `from_generator`'s cache key: each interpreter
+    # version has its own documentation and so its own cached corpus.
+    del python_version
+    for text in (*_topic_documents(), _builtins_document(), *_module_documents()):
+        yield {"text": text}
+
+
+def builtin_corpus(cache_dir: str | None = None) -> Dataset:
+    """The built-in corpus: CPython's own English documentation, as a `Dataset` with a ``text`` column.
+
+    One row per document, in a fixed order: the pydoc topics (sorted by name), the ``builtins`` docstrings,
+    then one document per standard-library module (sorted by module name). About 2 MB of text and ~500
+    documents on CPython 3.11. Identical for one Python version on every machine, except where a
+    distribution patched the standard library's docstrings.
+
+    The corpus is written once into the ``datasets`` cache (``cache_dir``, default ``HF_DATASETS_CACHE``)
+    and memory-mapped from there, so later tokenization is cached like any other dataset's.
+    """
+    version = ".".join(map(str, sys.version_info[:3]))
+    return Dataset.from_generator(
+        _generate_builtin_corpus,
+        gen_kwargs={"python_version": version},
+        features=datasets.Features({"text": datasets.Value("string")}),
+        cache_dir=cache_dir,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _check_text_column(dataset, text_column: str, what: str) -> None:
+    # Streaming datasets may not know their columns until read; `None` means "cannot check yet".
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, dict):  # DatasetDict: {split: columns}
+        for split, split_columns in columns.items():
+            if text_column not in split_columns:
+                raise ValueError(
+                    f"The dataset {what} has no text column {text_column!r} in its {split!r} split; its "
+                    f"columns are {split_columns}. Pass the right one with text_column=..."
+                )
+    elif columns is not None and text_column not in columns:
+        raise ValueError(
+            f"The dataset {what} has no text column {text_column!r}; its columns are {columns}. "
+            "Pass the right one with text_column=..."
+        )
+
+
+def _local_data_files(path: str) -> tuple[str, list[str]]:
+    """``(builder, files)`` for a local file or folder, or a clear error."""
+    supported = ", ".join(sorted(_BUILDER_BY_EXTENSION))
+    if os.path.isdir(path):
+        files = sorted(
+            os.path.join(dirpath, f)
+            for dirpath, dirnames, filenames in os.walk(path)
+            for f in filenames
+            if not f.startswith(".")
+        )
+        usable = [f for f in files if os.path.splitext(f)[1].lower() in _BUILDER_BY_EXTENSION]
+        if not usable:
+            raise ValueError(
+                f"The folder {path!r} holds no file of a supported type ({supported}); "
+                f"found {len(files)} other file(s)" + (f", e.g. {files[:3]}." if files else ".")
+            )
+        builders = sorted({_BUILDER_BY_EXTENSION[os.path.splitext(f)[1].lower()] for f in usable})
+        if len(builders) > 1:
+            raise ValueError(
+                f"The folder {path!r} mixes file types ({', '.join(builders)}); put one type of file in it."
+            )
+        return builders[0], usable
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in _BUILDER_BY_EXTENSION:
+        raise ValueError(
+            f"Unsupported file type {extension or '(none)'!r} for {path!r}; supported: {supported}."
+        )
+    return _BUILDER_BY_EXTENSION[extension], [path]
+
+
+def _looks_like_local_path(name: str) -> bool:
+    # Hub names are "name" or "owner/name"; anything with a file extension we read, or that starts like a
+    # filesystem path, is meant to be local, and must then exist rather than fall through to the Hub.
+    return (
+        name.startswith(("/", ".", "~"))
+        or os.path.splitext(name)[1].lower() in _BUILDER_BY_EXTENSION
+        or name.count("/") > 1
+    )
+
+
+def _clean_paragraphs(batch: dict[str, list], text_column: str) -> dict[str, list]:
+    # The "text" builder splits on blank lines but keeps surrounding newlines and empty pieces of runs of
+    # blank lines; drop those so that every row is one non-empty paragraph.
+    texts = [t.strip() for t in batch[text_column]]
+    return {text_column: [t for t in texts if t]}
+
+
+def load_text_dataset(
+    dataset_name: str,
+    dataset_config: str | None = None,
+    text_column: str = "text",
+    split: str | None = "train",
+    streaming: bool = False,
+) -> Dataset | DatasetDict | datasets.IterableDataset | datasets.IterableDatasetDict:
+    """Loads a text dataset by name: the built-in corpus, local files, or a Hugging Face Hub dataset.
+
+    Args:
+        dataset_name: ``BUILTIN_DATASET`` (``"builtin:python-docs"``); a local file or folder of ``.txt``,
+            ``.json``, ``.jsonl`` or ``.parquet`` files (one type per folder, read recursively in sorted
+            order); or a Hub dataset name for `datasets.load_dataset`.
+            A ``.txt`` file gives one row per paragraph: text separated by blank lines, stripped, empty
+            pieces dropped. JSON Lines / JSON / Parquet give one row per record.
+        dataset_config: the Hub dataset's configuration (e.g. ``"wikitext-2-raw-v1"``).
+        text_column: the column holding the text; checked to exist (the error lists the columns).
+        split: the split to return, or ``None`` for a `DatasetDict` of all splits. Local files and the
+            built-in corpus have one split, ``"train"``.
+        streaming: stream a Hub dataset instead of downloading it (returns an iterable dataset).
+
+    Raises:
+        FileNotFoundError: a local path that does not exist.
+        ValueError: an unsupported file type, or a dataset without ``text_column``.
+    """
+    what = repr(dataset_name)
+    if dataset_name == BUILTIN_DATASET:
+        corpus = builtin_corpus()
+        if streaming:
+            dataset = datasets.IterableDatasetDict({"train": corpus.to_iterable_dataset()})
+        else:
+            dataset = DatasetDict({"train": corpus})
+    elif os.path.exists(os.path.expanduser(dataset_name)) or _looks_like_local_path(dataset_name):
+        path = os.path.expanduser(dataset_name)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"No such file or folder: {dataset_name!r} (resolved to {os.path.abspath(path)!r})."
+            )
+        builder, files = _local_data_files(path)
+        kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+        dataset = datasets.load_dataset(builder, data_files={"train": files}, streaming=streaming, **kwargs)
+        if builder == "text":
+            # The text builder names its only column "text"; rename so `text_column` works for .txt too.
+            if text_column != "text":
+                dataset = dataset.rename_column("text", text_column)
+            progress = {} if streaming else {"desc": "Paragraphs"}  # iterable datasets take no desc
+            dataset = dataset.map(
+                _clean_paragraphs, batched=True, fn_kwargs={"text_column": text_column}, **progress
+            )
+    else:
+        dataset = datasets.load_dataset(dataset_name, dataset_config, streaming=streaming)
+    if split is not None:
+        if split not in dataset:
+            raise ValueError(f"The dataset {what} has no split {split!r}; its splits are {list(dataset)}.")
+        dataset = dataset[split]
+    _check_text_column(dataset, text_column, what)
+    return dataset
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, output_dir: str | None = None):
+    """Trains a byte-level BPE tokenizer (GPT-2 style) on ``texts`` with the `tokenizers` library.
+
+    For pretraining from scratch when no tokenizer is given. Byte-level means every string encodes
+    (no unknown token) and ``decode(encode(text)) == text``. Special tokens: ``<s>`` (bos, id 0),
+    ``</s>`` (eos, id 1), ``<pad>`` (pad, id 2). Nothing is added automatically on encode: packing appends
+    the eos itself. Deterministic for the same texts and ``vocab_size``.
+
+    Args:
+        texts: training documents (a list, a generator, or a `Dataset` column).
+        vocab_size: final vocabulary size including the 256 byte tokens and the 3 special tokens.
+        output_dir: if given, the tokenizer is saved there with ``save_pretrained`` (so that
+            ``AutoTokenizer.from_pretrained(output_dir)`` loads it, e.g. next to the model).
+
+    Returns:
+        A `transformers.PreTrainedTokenizerFast`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special_tokens = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]
+    if vocab_size < 256 + len(special_tokens):
+        raise ValueError(f"vocab_size={vocab_size} is too small for byte-level BPE (needs >= 259).")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=special_tokens,
+        # All 256 bytes up front, so that text unseen in training (any language, emoji) still encodes.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((t for t in texts if t), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        # Cleanup would rewrite " ." as "." on decode and break the round trip.
+        clean_up_tokenization_spaces=False,
+    )
+    if output_dir is not None:
+        fast.save_pretrained(output_dir)
+    return fast
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenization and packing
+
+
+def _tokenize(batch: dict[str, list], tokenizer, text_column: str, eos_token_id: int) -> dict[str, list]:
+    # No special tokens from the tokenizer (some add a bos, some do not): the document separator is ours,
+    # one eos after each document, so the model learns where documents end.
+    encoded = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+    return {"input_ids": [ids + [eos_token_id] for ids in encoded]}
+
+
+def _pack(
+    batch: dict[str, list], indices: list[int], offsets: np.ndarray, block_size: int, source: Dataset
+) -> dict[str, list]:
+    """Cuts the global token stream into blocks; emits the blocks that START inside this batch of docs.
+
+    ``offsets[i]`` is where document ``i`` starts in the concatenation of all documents, so the result
+    is the same as packing the whole stream at once, whatever the batch size or ``num_proc``. The last
+    block of a batch may need tokens of the following documents; they are read from ``source``.
+    """
+    first, end_doc = indices[0], indices[-1] + 1
+    start, end = int(offsets[first]), int(offsets[end_doc])
+    total = int(offsets[-1])
+    first_block = -(-start // block_size)  # ceil: a block starting before `start` is the previous batch's
+    block_starts = range(first_block * block_size, min(end, total - block_size + 1), block_size)
+    if len(block_starts) == 0:
+        return {"input_ids": [], "labels": []}
+    stream = [t for ids in batch["input_ids"] for t in ids]
+    need = block_starts[-1] + block_size  # global position one past the last token we must have
+    if need > end:
+        # Read just the documents that cover [end, need).
+        last_doc = int(np.searchsorted(offsets, need, side="left"))
+        for ids in source[end_doc:last_doc]["input_ids"]:
+            stream.extend(ids)
+    blocks = [stream[s - start : s - start + block_size] for s in block_starts]
+    # labels == input_ids: causal LMs in transformers shift the labels inside forward.
+    return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+
+def pack_dataset(
+    dataset: Dataset,
+    tokenizer,
+    block_size: int,
+    text_column: str = "text",
+    num_proc: int | None = None,
+    batch_size: int = 1000,
+) -> Dataset:
+    """Tokenizes ``dataset[text_column]`` and packs it into blocks of exactly ``block_size`` tokens.
+
+    The documents are concatenated in order, each followed by the tokenizer's eos token, and the stream
+    is cut into consecutive blocks; the ragged tail (fewer than ``block_size`` tokens) is dropped. Blocks
+    may span documents (standard for pretraining). Both steps are ``Dataset.map(batched=True)`` calls, so
+    ``datasets`` caches them (for datasets backed by files) and runs them on ``num_proc`` processes; the
+    result does not depend on ``num_proc`` or ``batch_size`` (documents per map batch; lower it to save
+    memory on long documents).
+
+    Returns:
+        A `Dataset` with columns ``input_ids`` and ``labels`` (equal; the model shifts labels itself).
+
+    Raises:
+        ValueError: a missing text column, a tokenizer without eos, or too few tokens for one block.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}.")
+    _check_text_column(dataset, text_column, "to pack")
+    eos_token_id = tokenizer.eos_token_id
+    if eos_token_id is None:
+        raise ValueError(
+            "The tokenizer has no eos token, which packing puts between documents; set tokenizer.eos_token."
+        )
+    tokenized = dataset.map(
+        _tokenize,
+        batched=True,
+        batch_size=batch_size,
+        num_proc=num_proc,
+        remove_columns=dataset.column_names,
+        fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "eos_token_id": eos_token_id},
+        desc=f"Tokenizing ({text_column})",
+    )
+    if tokenized.num_rows > 0:
+        lengths = pc.list_value_length(tokenized.data.column("input_ids")).to_numpy(zero_copy_only=False)
+    else:
+        lengths = np.zeros(0, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    total = int(offsets[-1])
+    if total < block_size:
+        raise ValueError(
+            f"The dataset has {total} tokens in {dataset.num_rows} documents (eos included), fewer than "
+            f"block_size={block_size}: no block can be made. Use more data or a smaller block_size."
+        )
+    return tokenized.map(
+        _pack,
+        batched=True,
+        with_indices=True,
+        batch_size=batch_size,
+        num_proc=num_proc,
+        remove_columns=tokenized.column_names,
+        fn_kwargs={"offsets": offsets, "block_size": block_size, "source": tokenized},
+        desc=f"Packing into blocks of {block_size}",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Train / eval
+
+
+def load_splits(
+    dataset_name: str,
+    dataset_config: str | None = None,
+    text_column: str = "text",
+    validation_split_percentage: float = 5,
+    seed: int = 42,
+) -> tuple[Dataset, Dataset]:
+    """The (train, eval) DOCUMENTS of a dataset, before tokenization.
+
+    Uses the dataset's own ``"validation"`` split, else its ``"test"`` split; otherwise carves
+    ``validation_split_percentage`` % of the documents (at least one) out of ``"train"``, chosen with a
+    seeded shuffle, so the split is the same on every rank and every run. Useful to train a tokenizer
+    on the train documents only, then `prepare_datasets`.
+    """
+    raw = load_text_dataset(dataset_name, dataset_config, text_column=text_column, split=None)
+    if "train" not in raw:
+        raise ValueError(f"The dataset {dataset_name!r} has no 'train' split; its splits are {list(raw)}.")
+    for eval_split in ("validation", "test"):
+        if eval_split in raw:
+            return raw["train"], raw[eval_split]
+    train = raw["train"]
+    if not 0 < validation_split_percentage < 100:
+        raise ValueError(
+            f"The dataset {dataset_name!r} has no validation split, so one is carved out of 'train', but "
+            f"validation_split_percentage={validation_split_percentage} is not in (0, 100)."
+        )
+    if train.num_rows < 2:
+        raise ValueError(
+            f"The dataset {dataset_name!r} has {train.num_rows} document(s): too few to carve out a validation split."
+        )
+    num_eval = min(train.num_rows - 1, max(1, round(train.num_rows * validation_split_percentage / 100)))
+    # Split documents, not blocks, so that no block holds text from both sides.
+    split = train.train_test_split(test_size=num_eval, shuffle=True, seed=seed)
+    return split["train"], split["test"]
+
+
+def prepare_datasets(
+    dataset_name: str,
+    tokenizer,
+    block_size: int,
+    dataset_config: str | None = None,
+    text_column: str = "text",
+    validation_split_percentage: float = 5,
+    num_proc: int | None = None,
+    max_train_samples: int | None = None,
+    seed: int = 42,
+) -> tuple[Dataset, Dataset]:
+    """Loads ``dataset_name`` and returns packed ``(train, eval)`` datasets of ``block_size``-token blocks.
+
+    The eval documents come from `load_splits` (the dataset's validation/test split, or a deterministic
+    carve-out of ``validation_split_percentage`` % of the documents before packing). Each side is then
+    packed with `pack_dataset`. ``max_train_samples`` keeps the first that many train BLOCKS.
+    """
+    train_docs, eval_docs = load_splits(
+        dataset_name,
+        dataset_config,
+        text_column,
+        validation_split_percentage=validation_split_percentage,
+        seed=seed,
+    )
+    train = pack_dataset(train_docs, tokenizer, block_size, text_column=text_column, num_proc=num_proc)
+    try:
+        eval_ = pack_dataset(eval_docs, tokenizer, block_size, text_column=text_column, num_proc=num_proc)
+    except ValueError as e:
+        raise ValueError(
+            f"The validation documents are too small for one block ({e}) Raise validation_split_percentage "
+            "or lower block_size."
+        ) from e
+    if max_train_samples is not None:
+        train = train.select(range(min(max_train_samples, train.num_rows)))
+    return train, eval_
