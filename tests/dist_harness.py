@@ -44,7 +44,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 60.0) -> list
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _worker, args=(world_size, free_port(), out_dir, fn, args, timeout_s), nprocs=world_size,
-            join=False, start_method="spawn",
+            join=False, start_method=os.environ.get("HF_NOLOCO_TEST_START_METHOD", "fork"),
         )
         try:
             while not context.join(timeout=timeout_s * 4):

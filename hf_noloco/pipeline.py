@@ -1,0 +1,290 @@
+"""The pipeline schedule: one optimizer step of one stage replica, microbatch by microbatch.
+
+Every rank of a replica column holds the same batch (the data is sharded by replica). A microbatch of
+``M`` rows is computed as one tensor; at each stage boundary its rows are grouped by the replica of the
+next stage that the router assigns them to and sent as one message per destination. Rows keep their
+position inside the microbatch on every stage, so a receiver reassembles them by index.
+
+Each row travels with an int64 record: its sample id, the target-token count of the batch it came from,
+its labels, attention mask and position ids. The last stage weights each sample's summed cross-entropy by
+``1 / tokens of its origin batch``, so the loss of a replica is a sum of per-shard mean losses and the
+mean of the replicas' gradients equals data parallel's gradient whatever the routing. Gradients go back
+along the same paths.
+
+Schedule: GPipe (all forwards, then all backwards in reverse order). Activations of every microbatch of
+the step are held until its backward; pick ``microbatch_size`` accordingly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .comm import exchange, wait_sends
+from .mesh import PipelineMesh
+from .partition import IGNORE_INDEX, PipelineStage
+from .routing import Router, group_rows_by_peer
+
+_META_FIXED = 2  # sample id, origin batch's target-token count; then labels, attention mask, positions
+
+
+@dataclass
+class StepResult:
+    """What one stage replica knows after a step. ``loss`` is set on the last stage only: the sum over the
+    samples it processed of (summed token cross-entropy / target tokens of the sample's origin batch)."""
+
+    loss: torch.Tensor | None
+    target_tokens: int = 0  # target tokens the last stage scored
+    sample_ids: list[list[int]] = field(default_factory=list)  # per microbatch, as processed here
+
+
+class PipelineEngine:
+    """Runs training and evaluation steps of one stage replica.
+
+    Args:
+        stage: this rank's :class:`PipelineStage`.
+        mesh: the process mesh.
+        router: draws the replica pairing at each boundary (``Router(mesh.num_replicas, ...)``).
+        microbatch_size: rows per microbatch; the per-replica batch must be a multiple of it.
+        p2p_timeout: seconds to wait for a peer before failing with an error that names it.
+        autocast: a context manager factory wrapping each stage forward (e.g. bf16 autocast), or None.
+    """
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        mesh: PipelineMesh,
+        router: Router,
+        microbatch_size: int,
+        p2p_timeout: float = 300.0,
+        autocast=None,
+    ):
+        if microbatch_size < 1:
+            raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}.")
+        if router.num_replicas != mesh.num_replicas:
+            raise ValueError(f"router has {router.num_replicas} replicas, the mesh {mesh.num_replicas}.")
+        self.stage = stage
+        self.mesh = mesh
+        self.router = router
+        self.microbatch_size = microbatch_size
+        self.p2p_timeout = p2p_timeout
+        self.autocast = autocast or contextlib.nullcontext
+        self.device = next(stage.parameters()).device
+        self.activation_dtype = next(stage.parameters()).dtype
+        self.step_index = 0  # training steps run: the routing key of `step` granularity
+        self.samples_seen = 0  # per-replica samples trained on: the routing key of `sample` granularity
+
+    # ----------------------------------------------------------------------------------------- public
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
+        """Forward and backward of every microbatch of ``batch`` (gradients accumulate in ``.grad``)."""
+        result = self._run(batch, self.router, training=True)
+        self.step_index += 1
+        self.samples_seen += batch["input_ids"].shape[0]
+        return result
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, torch.Tensor], router: Router | None = None) -> tuple[float, int]:
+        """``(summed token cross-entropy, target tokens)`` of ``batch``, evaluated by this replica column
+        (``fixed`` routing unless a router is given), returned on every rank of the column."""
+        router = router or Router(self.mesh.num_replicas, "fixed")
+        result = self._run(batch, router, training=False)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.stage.is_last:
+            totals[0], totals[1] = result.loss.double(), result.target_tokens
+        if self.mesh.num_stages > 1:
+            torch.distributed.broadcast(
+                totals, self.mesh.rank_of(self.mesh.replica, self.mesh.num_stages - 1), group=self.mesh.column_group
+            )
+        return totals[0].item(), int(totals[1].item())
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step_index": self.step_index, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step_index = int(state["step_index"])
+        self.samples_seen = int(state["samples_seen"])
+
+    # ---------------------------------------------------------------------------------------- schedule
+
+    def _run(self, batch: dict[str, torch.Tensor], router: Router, training: bool) -> StepResult:
+        input_ids = batch["input_ids"]
+        rows, seq_len = self._check_batch(batch)
+        num_micro = rows // self.microbatch_size
+        meta = self._make_meta(batch, rows, seq_len) if self.stage.is_first else None
+
+        inputs, outputs, sends = [], [], []
+        loss = torch.zeros((), dtype=torch.float32, device=self.device) if self.stage.is_last else None
+        target_tokens = 0
+        sample_ids = []
+        for m in range(num_micro):
+            span = slice(m * self.microbatch_size, (m + 1) * self.microbatch_size)
+            if self.stage.is_first:
+                x, mb_meta = input_ids[span].to(self.device), meta[span]
+            else:
+                x, mb_meta = self._receive_forward(router, m, seq_len, training)
+                x.requires_grad_(training)
+            sample_ids.append(mb_meta[:, 0].tolist())
+            labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len)
+            with self.autocast():
+                y = self.stage(x, attention_mask=attention_mask, position_ids=position_ids)
+            if self.stage.is_last:
+                token_losses = F.cross_entropy(
+                    y.float().transpose(1, 2), F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:],
+                    ignore_index=IGNORE_INDEX, reduction="none",
+                )
+                target_tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
+                if training:
+                    y = (token_losses.sum(1) / mb_meta[:, 1].clamp(min=1)).sum()
+                    loss += y.detach()
+                else:
+                    loss += token_losses.sum()
+            else:
+                sends += self._send_forward(router, m, y.detach().to(self.activation_dtype), mb_meta)
+            inputs.append(x)
+            outputs.append(y)
+        self._wait(sends, "forward")
+        if not training:
+            return StepResult(loss, target_tokens, sample_ids)
+
+        sends = []
+        for m in reversed(range(num_micro)):
+            if self.stage.is_last:
+                outputs[m].backward()
+            else:
+                grad = self._receive_backward(router, m, outputs[m])
+                torch.autograd.backward(outputs[m], grad)
+            if not self.stage.is_first:
+                sends += self._send_backward(router, m, inputs[m].grad.to(self.activation_dtype))
+            inputs[m] = outputs[m] = None  # free the microbatch's activations now
+        self._wait(sends, "backward")
+        return StepResult(loss, target_tokens, sample_ids)
+
+    def _check_batch(self, batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+        input_ids = batch.get("input_ids")
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError("The batch needs `input_ids` of shape (batch, sequence).")
+        rows, seq_len = input_ids.shape
+        for key in ("labels", "attention_mask", "position_ids"):
+            value = batch.get(key)
+            if value is not None and tuple(value.shape) != (rows, seq_len):
+                raise ValueError(
+                    f"`{key}` has shape {tuple(value.shape)} but `input_ids` has {(rows, seq_len)}: every "
+                    "per-token tensor must match input_ids."
+                )
+        if rows % self.microbatch_size != 0:
+            raise ValueError(
+                f"The per-replica batch ({rows} rows) is not a multiple of microbatch_size={self.microbatch_size}."
+            )
+        return rows, seq_len
+
+    def _make_meta(self, batch: dict[str, torch.Tensor], rows: int, seq_len: int) -> torch.Tensor:
+        """The per-row record that travels with each activation (built on the first stage)."""
+        labels = batch.get("labels")
+        labels = batch["input_ids"] if labels is None else labels
+        mask = batch.get("attention_mask")
+        mask = torch.ones_like(labels) if mask is None else mask
+        positions = batch.get("position_ids")
+        positions = torch.arange(seq_len).expand(rows, seq_len) if positions is None else positions
+        # Sample ids are unique over the run: (per-replica sample index) * dp + origin replica.
+        slots = torch.arange(self.samples_seen, self.samples_seen + rows, dtype=torch.int64)
+        ids = slots * self.mesh.num_replicas + self.mesh.replica
+        target_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        fixed = torch.stack([ids, torch.full((rows,), target_tokens, dtype=torch.int64)], dim=1)
+        meta = torch.cat([fixed, labels.long(), mask.long(), positions.long()], dim=1)
+        return meta.to(self.device)
+
+    # ----------------------------------------------------------------------------------- communication
+
+    def _samples(self, m: int) -> range:
+        start = self.samples_seen + m * self.microbatch_size
+        return range(start, start + self.microbatch_size)
+
+    def _peers(self, router: Router, boundary: int, m: int, toward_next: bool) -> dict[int, list[int]]:
+        """``{global rank: rows}`` this replica exchanges with across ``boundary`` for microbatch ``m``."""
+        if toward_next:
+            replicas = router.destinations(boundary, self.step_index, self._samples(m), self.mesh.replica)
+            stage = boundary + 1
+        else:
+            replicas = router.sources(boundary, self.step_index, self._samples(m), self.mesh.replica)
+            stage = boundary
+        return {self.mesh.rank_of(r, stage): rows for r, rows in group_rows_by_peer(replicas).items()}
+
+    def _receive_forward(self, router, m, seq_len, training):
+        groups = self._peers(router, self.stage.stage_index - 1, m, toward_next=False)
+        hidden = self.stage.config.hidden_size
+        x = torch.empty(self.microbatch_size, seq_len, hidden, dtype=self.activation_dtype, device=self.device)
+        meta = torch.empty(self.microbatch_size, _META_FIXED + 3 * seq_len, dtype=torch.int64, device=self.device)
+        recvs, scatter = [], []
+        for peer, rows in groups.items():
+            if len(groups) == 1:  # one sender (always so with fixed routing): receive in place
+                recvs += [(x, peer), (meta, peer)]
+            else:
+                bufs = (x.new_empty(len(rows), *x.shape[1:]), meta.new_empty(len(rows), meta.shape[1]))
+                recvs += [(bufs[0], peer), (bufs[1], peer)]
+                scatter.append((rows, bufs))
+        exchange([], recvs, self.p2p_timeout, self._describe, self._context("forward", m))
+        for rows, (xb, mb) in scatter:
+            index = torch.tensor(rows, device=self.device)
+            x.index_copy_(0, index, xb)
+            meta.index_copy_(0, index, mb)
+        return x, meta
+
+    def _send_forward(self, router, m, y, meta):
+        groups = self._peers(router, self.stage.stage_index, m, toward_next=True)
+        sends = []
+        for peer, rows in groups.items():
+            if len(groups) == 1:
+                sends += [(y, peer), (meta, peer)]
+            else:
+                index = torch.tensor(rows, device=self.device)
+                sends += [(y.index_select(0, index), peer), (meta.index_select(0, index), peer)]
+        return self._post(sends, "forward", m)
+
+    def _receive_backward(self, router, m, output):
+        groups = self._peers(router, self.stage.stage_index, m, toward_next=True)
+        grad = torch.empty(output.shape, dtype=self.activation_dtype, device=self.device)
+        recvs, scatter = [], []
+        for peer, rows in groups.items():
+            if len(groups) == 1:
+                recvs.append((grad, peer))
+            else:
+                buf = grad.new_empty(len(rows), *grad.shape[1:])
+                recvs.append((buf, peer))
+                scatter.append((rows, buf))
+        exchange([], recvs, self.p2p_timeout, self._describe, self._context("backward", m))
+        for rows, buf in scatter:
+            grad.index_copy_(0, torch.tensor(rows, device=self.device), buf)
+        return grad.to(output.dtype)
+
+    def _send_backward(self, router, m, grad):
+        groups = self._peers(router, self.stage.stage_index - 1, m, toward_next=False)
+        if len(groups) == 1:
+            sends = [(grad, peer) for peer in groups]
+        else:
+            sends = [(grad.index_select(0, torch.tensor(rows, device=self.device)), p) for p, rows in groups.items()]
+        return self._post(sends, "backward", m)
+
+    def _post(self, sends, phase, m):
+        """Starts the sends; returns ``(pending send, tensor)`` pairs: a tensor must stay alive until its
+        message has left."""
+        pending = exchange(sends, [], self.p2p_timeout, self._describe, self._context(phase, m))
+        return [(p, tensor) for p, (tensor, _) in zip(pending, sends)]
+
+    def _wait(self, sends, phase):
+        wait_sends([p for p, _ in sends], self.p2p_timeout, self._describe, self._context(phase, None))
+
+    def _describe(self, rank: int) -> str:
+        return f"rank {rank} (stage {rank % self.mesh.num_stages}, replica {rank // self.mesh.num_stages})"
+
+    def _context(self, phase: str, m: int | None) -> str:
+        where = f"stage {self.mesh.stage} replica {self.mesh.replica}, step {self.step_index}, {phase}"
+        return where if m is None else f"{where} of microbatch {m}"
+
+
+def _unpack_meta(meta: torch.Tensor, seq_len: int):
+    body = meta[:, _META_FIXED:]
+    return body[:, :seq_len], body[:, seq_len: 2 * seq_len], body[:, 2 * seq_len:]

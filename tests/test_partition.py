@@ -1,0 +1,111 @@
+"""Splitting a model into stages: the stages composed in one process are the unsplit model."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from hf_noloco.partition import (
+    build_stage,
+    causal_lm_loss_sum,
+    load_stage_weights,
+    split_model,
+    stage_layer_ranges,
+)
+from tiny_models import make_batch, tiny_config, tiny_model
+
+
+def test_even_split_gives_earlier_stages_the_remainder():
+    assert stage_layer_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert stage_layer_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert stage_layer_ranges(6, 2, [1]) == [(0, 1), (1, 6)]
+
+
+@pytest.mark.parametrize(
+    "layers, stages, boundaries, message",
+    [
+        (3, 4, None, "more than the model's 3 decoder layers"),
+        (6, 3, [2], "must list the first layer"),
+        (6, 3, [3, 3], "strictly increasing"),
+        (6, 2, [6], "below the layer count"),
+        (6, 2, [0], "strictly increasing"),
+    ],
+)
+def test_bad_splits_are_refused(layers, stages, boundaries, message):
+    with pytest.raises(ValueError, match=message):
+        stage_layer_ranges(layers, stages, boundaries)
+
+
+@pytest.mark.parametrize(
+    "family, layers, stages, boundaries",
+    [
+        ("llama", 4, 2, None),
+        ("llama", 5, 3, [1, 4]),  # uneven: 1/3/1
+        ("mistral", 4, 3, None),  # sliding window on every layer
+        ("qwen2", 5, 2, [3]),  # sliding and full layers mixed
+        ("qwen3", 3, 3, None),
+    ],
+)
+def test_stages_compose_to_the_unsplit_model(family, layers, stages, boundaries):
+    model = tiny_model(family, layers, seed=1)
+    batch = make_batch(3, 12, seed=2)
+    reference = model(**batch)
+    reference.loss.backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    parts = [split_model(model, s, stages, boundaries) for s in range(stages)]
+    names = [n for part in parts for n in part.state_dict()]
+    assert sorted(names) == sorted(model.state_dict())  # the stages are an exact partition of the weights
+
+    hidden = batch["input_ids"]
+    for part in parts:
+        hidden = part(hidden, attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(hidden, reference.logits, rtol=0, atol=1e-6)
+    loss_sum, tokens = causal_lm_loss_sum(hidden, batch["labels"])
+    loss = loss_sum / tokens
+    torch.testing.assert_close(loss, reference.loss, rtol=0, atol=1e-6)
+    loss.backward()
+    for part in parts:
+        for name, param in part.named_parameters():
+            torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_tied_embeddings_are_refused_across_stages():
+    config = tiny_config("llama", 4)
+    config.tie_word_embeddings = True
+    model = type(tiny_model())(config)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        split_model(model, 0, 2)
+    split_model(model, 0, 1)  # one stage holds both ends: nothing to keep in sync
+
+
+def test_non_llama_architecture_is_refused_with_the_expected_layout():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match=r"not a Llama-family causal LM: it lacks .*model\.embed_tokens"):
+        split_model(model, 0, 2)
+
+
+def test_build_stage_materialises_only_its_slice_and_loads_checkpoint(tmp_path):
+    model = tiny_model("llama", 4, seed=3)
+    model.save_pretrained(tmp_path)
+    stage = build_stage(model.config, 1, 2, checkpoint=tmp_path)
+    assert sorted(stage.state_dict()) == sorted(split_model(model, 1, 2).state_dict())
+    for name, tensor in stage.state_dict().items():
+        torch.testing.assert_close(tensor, model.state_dict()[name], rtol=0, atol=0, msg=name)
+    assert not hasattr(stage.model, "embed_tokens")
+
+    fresh = build_stage(model.config, 0, 2)  # from scratch: initialised like from_config
+    emb = fresh.model.embed_tokens.weight
+    assert emb.device.type == "cpu" and abs(emb.std().item() - model.config.initializer_range) < 0.005
+    assert torch.equal(fresh.model.layers["0"].input_layernorm.weight, torch.ones(32))
+
+
+def test_loading_a_checkpoint_missing_a_tensor_names_it(tmp_path):
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama", 2)
+    state = {k: v for k, v in model.state_dict().items() if "layers.1.mlp.up_proj" not in k}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    stage = split_model(tiny_model("llama", 2), 1, 2)
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+        load_stage_weights(stage, tmp_path)
