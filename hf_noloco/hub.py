@@ -1,0 +1,103 @@
+"""Publishing an exported NoLoCo checkpoint to the Hugging Face Hub.
+
+Tokens are resolved but never logged, printed or put into an error message. Only safetensors weights and
+text files are uploaded: pickled files (``*.bin``, ``*.pt``, ...), which the Trainer may leave in
+``output_dir`` (``training_args.bin``, optimizer states), and intermediate ``checkpoint-*`` folders are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from huggingface_hub import HfApi, get_token
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMMIT_MESSAGE = "Upload model trained with hf_noloco (NoLoCo)"
+
+# Never published: pickles (arbitrary code on load), trainer checkpoints and local run logs.
+IGNORE_PATTERNS = [
+    "*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt",
+    "checkpoint-*", "checkpoint-*/**", "**/checkpoint-*/**",
+    "wandb/**", "runs/**", "*.tmp",
+]
+
+
+def resolve_token(token: str | None = None) -> str | None:
+    """The token to use: ``token``, else ``HF_TOKEN``, else the one saved by ``hf auth login``; ``None`` if none."""
+    return token or os.environ.get("HF_TOKEN") or get_token()
+
+
+def check_hub_settings(push_to_hub: bool, hub_model_id: str | None, token: str | None = None) -> str | None:
+    """Fails fast, before any training, when a push at the end could not work.
+
+    Raises:
+        ValueError: ``push_to_hub`` without ``hub_model_id``, with an invalid repo id, or without a token
+            (argument, ``HF_TOKEN`` or ``hf auth login``). The token itself never appears in the message.
+
+    Returns:
+        The repo id to push to (``None`` when not pushing).
+    """
+    if not push_to_hub:
+        return None
+    if not hub_model_id:
+        raise ValueError(
+            "push_to_hub=True needs a repository to push to: set hub_model_id (e.g. `your-name/my-noloco-model`)."
+        )
+    try:
+        validate_repo_id(hub_model_id)
+    except HFValidationError as exc:
+        raise ValueError(f"hub_model_id={hub_model_id!r} is not a valid Hub repository id: {exc}") from None
+    if not resolve_token(token):
+        raise ValueError(
+            "push_to_hub=True needs a Hugging Face token with write access: pass hub_token, set the HF_TOKEN "
+            "environment variable, or run `hf auth login` before training."
+        )
+    return hub_model_id
+
+
+def push_folder_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str,
+    token: str | None = None,
+    private: bool | None = None,
+    commit_message: str = DEFAULT_COMMIT_MESSAGE,
+    revision: str | None = None,
+    api: HfApi | None = None,
+) -> str:
+    """Creates ``repo_id`` if needed and uploads ``folder`` to it in one commit (call it on one rank only).
+
+    Args:
+        folder: the exported checkpoint (config, safetensors, tokenizer, README.md, plot).
+        repo_id: ``namespace/name`` (or ``name`` for the token's user).
+        token: write token; default: ``HF_TOKEN`` or the saved login.
+        private: visibility of a newly created repo (``None``: the Hub's default).
+        commit_message: the commit's summary.
+        revision: branch to push to (created from the default branch if missing).
+        api: an ``HfApi`` to use (tests point one at a local server).
+
+    Returns:
+        The URL of the commit.
+    """
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"Cannot push {folder}: not a folder (export the model first).")
+    api = api if api is not None else HfApi()
+    token = resolve_token(token) if api.token is None else (token or api.token)
+    repo_url = api.create_repo(repo_id, token=token, private=private, exist_ok=True, repo_type="model")
+    repo_id = repo_url.repo_id or repo_id  # the Hub fills in the user namespace of a bare name
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+    logger.info("Uploading %s to the Hub repository %s", folder, repo_id)  # no token here, ever
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        commit_message=commit_message,
+        revision=revision,
+        token=token,
+        ignore_patterns=list(IGNORE_PATTERNS),
+    )
+    logger.info("Pushed to %s", commit.commit_url)
+    return commit.commit_url
