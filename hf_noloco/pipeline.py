@@ -18,6 +18,7 @@ the step are held until its backward; pick ``microbatch_size`` accordingly.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +82,7 @@ class PipelineEngine:
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
         """Forward and backward of every microbatch of ``batch`` (gradients accumulate in ``.grad``)."""
-        result = self._run(batch, self.router, training=True)
+        result = self._run(batch, self.router, self.microbatch_size, training=True)
         self.step_index += 1
         self.samples_seen += batch["input_ids"].shape[0]
         return result
@@ -89,9 +90,11 @@ class PipelineEngine:
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor], router: Router | None = None) -> tuple[float, int]:
         """``(summed token cross-entropy, target tokens)`` of ``batch``, evaluated by this replica column
-        (``fixed`` routing unless a router is given), returned on every rank of the column."""
+        (``fixed`` routing unless a router is given), returned on every rank of the column. A last, smaller
+        batch is fine: its microbatches shrink to a divisor of its rows."""
         router = router or Router(self.mesh.num_replicas, "fixed")
-        result = self._run(batch, router, training=False)
+        rows = batch["input_ids"].shape[0]
+        result = self._run(batch, router, math.gcd(rows, self.microbatch_size), training=False)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.stage.is_last:
             totals[0], totals[1] = result.loss.double(), result.target_tokens
@@ -110,10 +113,10 @@ class PipelineEngine:
 
     # ---------------------------------------------------------------------------------------- schedule
 
-    def _run(self, batch: dict[str, torch.Tensor], router: Router, training: bool) -> StepResult:
+    def _run(self, batch: dict[str, torch.Tensor], router: Router, micro: int, training: bool) -> StepResult:
         input_ids = batch["input_ids"]
-        rows, seq_len = self._check_batch(batch)
-        num_micro = rows // self.microbatch_size
+        rows, seq_len = self._check_batch(batch, micro)
+        num_micro = rows // micro
         meta = self._make_meta(batch, rows, seq_len) if self.stage.is_first else None
 
         inputs, outputs, sends = [], [], []
@@ -121,11 +124,11 @@ class PipelineEngine:
         target_tokens = 0
         sample_ids = []
         for m in range(num_micro):
-            span = slice(m * self.microbatch_size, (m + 1) * self.microbatch_size)
+            span = slice(m * micro, (m + 1) * micro)
             if self.stage.is_first:
                 x, mb_meta = input_ids[span].to(self.device), meta[span]
             else:
-                x, mb_meta = self._receive_forward(router, m, seq_len, training)
+                x, mb_meta = self._receive_forward(router, m, micro, seq_len)
                 x.requires_grad_(training)
             sample_ids.append(mb_meta[:, 0].tolist())
             labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len)
@@ -143,7 +146,7 @@ class PipelineEngine:
                 else:
                     loss += token_losses.sum()
             else:
-                sends += self._send_forward(router, m, y.detach().to(self.activation_dtype), mb_meta)
+                sends += self._send_forward(router, m, micro, y.detach().to(self.activation_dtype), mb_meta)
             inputs.append(x)
             outputs.append(y)
         self._wait(sends, "forward")
@@ -155,15 +158,15 @@ class PipelineEngine:
             if self.stage.is_last:
                 outputs[m].backward()
             else:
-                grad = self._receive_backward(router, m, outputs[m])
+                grad = self._receive_backward(router, m, micro, outputs[m])
                 torch.autograd.backward(outputs[m], grad)
             if not self.stage.is_first:
-                sends += self._send_backward(router, m, inputs[m].grad.to(self.activation_dtype))
+                sends += self._send_backward(router, m, micro, inputs[m].grad.to(self.activation_dtype))
             inputs[m] = outputs[m] = None  # free the microbatch's activations now
         self._wait(sends, "backward")
         return StepResult(loss, target_tokens, sample_ids)
 
-    def _check_batch(self, batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+    def _check_batch(self, batch: dict[str, torch.Tensor], micro: int) -> tuple[int, int]:
         input_ids = batch.get("input_ids")
         if input_ids is None or input_ids.dim() != 2:
             raise ValueError("The batch needs `input_ids` of shape (batch, sequence).")
@@ -175,10 +178,8 @@ class PipelineEngine:
                     f"`{key}` has shape {tuple(value.shape)} but `input_ids` has {(rows, seq_len)}: every "
                     "per-token tensor must match input_ids."
                 )
-        if rows % self.microbatch_size != 0:
-            raise ValueError(
-                f"The per-replica batch ({rows} rows) is not a multiple of microbatch_size={self.microbatch_size}."
-            )
+        if rows % micro != 0:
+            raise ValueError(f"The per-replica batch ({rows} rows) is not a multiple of microbatch_size={micro}.")
         return rows, seq_len
 
     def _make_meta(self, batch: dict[str, torch.Tensor], rows: int, seq_len: int) -> torch.Tensor:
@@ -199,25 +200,23 @@ class PipelineEngine:
 
     # ----------------------------------------------------------------------------------- communication
 
-    def _samples(self, m: int) -> range:
-        start = self.samples_seen + m * self.microbatch_size
-        return range(start, start + self.microbatch_size)
-
-    def _peers(self, router: Router, boundary: int, m: int, toward_next: bool) -> dict[int, list[int]]:
+    def _peers(self, router: Router, boundary: int, m: int, micro: int, toward_next: bool) -> dict[int, list[int]]:
         """``{global rank: rows}`` this replica exchanges with across ``boundary`` for microbatch ``m``."""
+        start = self.samples_seen + m * micro
+        samples = range(start, start + micro)
         if toward_next:
-            replicas = router.destinations(boundary, self.step_index, self._samples(m), self.mesh.replica)
+            replicas = router.destinations(boundary, self.step_index, samples, self.mesh.replica)
             stage = boundary + 1
         else:
-            replicas = router.sources(boundary, self.step_index, self._samples(m), self.mesh.replica)
+            replicas = router.sources(boundary, self.step_index, samples, self.mesh.replica)
             stage = boundary
         return {self.mesh.rank_of(r, stage): rows for r, rows in group_rows_by_peer(replicas).items()}
 
-    def _receive_forward(self, router, m, seq_len, training):
-        groups = self._peers(router, self.stage.stage_index - 1, m, toward_next=False)
+    def _receive_forward(self, router, m, micro, seq_len):
+        groups = self._peers(router, self.stage.stage_index - 1, m, micro, toward_next=False)
         hidden = self.stage.config.hidden_size
-        x = torch.empty(self.microbatch_size, seq_len, hidden, dtype=self.activation_dtype, device=self.device)
-        meta = torch.empty(self.microbatch_size, _META_FIXED + 3 * seq_len, dtype=torch.int64, device=self.device)
+        x = torch.empty(micro, seq_len, hidden, dtype=self.activation_dtype, device=self.device)
+        meta = torch.empty(micro, _META_FIXED + 3 * seq_len, dtype=torch.int64, device=self.device)
         recvs, scatter = [], []
         for peer, rows in groups.items():
             if len(groups) == 1:  # one sender (always so with fixed routing): receive in place
@@ -233,8 +232,8 @@ class PipelineEngine:
             meta.index_copy_(0, index, mb)
         return x, meta
 
-    def _send_forward(self, router, m, y, meta):
-        groups = self._peers(router, self.stage.stage_index, m, toward_next=True)
+    def _send_forward(self, router, m, micro, y, meta):
+        groups = self._peers(router, self.stage.stage_index, m, micro, toward_next=True)
         sends = []
         for peer, rows in groups.items():
             if len(groups) == 1:
@@ -244,8 +243,8 @@ class PipelineEngine:
                 sends += [(y.index_select(0, index), peer), (meta.index_select(0, index), peer)]
         return self._post(sends, "forward", m)
 
-    def _receive_backward(self, router, m, output):
-        groups = self._peers(router, self.stage.stage_index, m, toward_next=True)
+    def _receive_backward(self, router, m, micro, output):
+        groups = self._peers(router, self.stage.stage_index, m, micro, toward_next=True)
         grad = torch.empty(output.shape, dtype=self.activation_dtype, device=self.device)
         recvs, scatter = [], []
         for peer, rows in groups.items():
@@ -260,8 +259,8 @@ class PipelineEngine:
             grad.index_copy_(0, torch.tensor(rows, device=self.device), buf)
         return grad.to(output.dtype)
 
-    def _send_backward(self, router, m, grad):
-        groups = self._peers(router, self.stage.stage_index - 1, m, toward_next=False)
+    def _send_backward(self, router, m, micro, grad):
+        groups = self._peers(router, self.stage.stage_index - 1, m, micro, toward_next=False)
         if len(groups) == 1:
             sends = [(grad, peer) for peer in groups]
         else:

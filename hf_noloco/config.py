@@ -1,0 +1,193 @@
+"""NoLoCoConfig: TrainingArguments plus the pipeline, routing and outer-optimizer settings."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+
+from .gossip import OUTER_METHODS, resolve_outer_defaults, validate_outer_settings
+from .routing import ROUTING_GRANULARITIES
+
+OUTER_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class NoLoCoConfig(TrainingArguments):
+    r"""
+    Configuration for [`NoLoCoTrainer`]: everything [`~transformers.TrainingArguments`] has, plus the settings
+    below. ``per_device_train_batch_size`` is the batch of one replica column (every stage of a column sees the
+    same batch); the global batch is that times the number of replicas.
+
+    Parameters:
+        > Pipeline
+
+        pipeline_stages (`int`, *optional*, defaults to `1`):
+            Number of pipeline stages the decoder layers are split into. The number of launched processes must
+            be a multiple of it; the quotient is the number of replicas per stage.
+        stage_boundaries (`list[int]` or `None`, *optional*, defaults to `None`):
+            First decoder layer of stages 1..pipeline_stages-1 (e.g. `[4, 7]` splits 10 layers 4/3/3). `None`
+            splits as evenly as possible, earlier stages taking the remainder.
+        microbatch_size (`int` or `None`, *optional*, defaults to `None`):
+            Rows per pipeline microbatch; must divide `per_device_train_batch_size`. `None` picks the largest
+            divisor giving at least `2 * pipeline_stages` microbatches (1 if none does), which keeps the
+            pipeline bubble small.
+        p2p_timeout (`float`, *optional*, defaults to `300`):
+            Seconds to wait for a peer's message before failing with an error that names it. Also used as the
+            process-group timeout of collectives.
+
+        > Routing
+
+        routing (`str`, *optional*, defaults to `"sample"`):
+            How samples pick the replica of the next stage: `"sample"` (a fresh random pairing per sample, as
+            the official code), `"step"` (one pairing per optimizer step, as the paper's text) or `"fixed"`
+            (each replica column is an independent model).
+        routing_seed (`int` or `None`, *optional*, defaults to `None`):
+            Seed shared by all ranks for routing and gossip groups. `None` uses `seed`.
+
+        > Outer optimizer
+
+        outer_optimizer (`str`, *optional*, defaults to `"noloco"`):
+            `"noloco"` (random-partner averaging with modified Nesterov momentum), `"diloco"` (all-reduce of
+            pseudo-gradients), `"ddp"` (gradients all-reduced every step) or `"local"` (no sync at all).
+        inner_steps (`int` or `None`, *optional*, defaults to `None`):
+            H, inner optimizer steps per outer step. `None`: the paper's default (50 for noloco, 100 for diloco).
+        outer_lr (`float` or `None`, *optional*, defaults to `None`):
+            beta, the outer learning rate. `None`: 0.7.
+        outer_momentum (`float` or `None`, *optional*, defaults to `None`):
+            alpha, the outer momentum. `None`: 0.5 for noloco, 0.3 for diloco.
+        outer_averaging (`float` or `None`, *optional*, defaults to `None`):
+            gamma, the pull of slow weights towards the group mean (noloco only). `None`: equal to `outer_lr`,
+            in which case only fast weights cross the network.
+        gossip_group_size (`int`, *optional*, defaults to `2`):
+            n, replicas averaged together at a noloco outer step.
+        outer_dtype (`str`, *optional*, defaults to `"float32"`):
+            Precision of the outer state and of the exchanged weights: `"float32"` or `"bfloat16"` (half the bytes).
+        offload_outer_state (`bool`, *optional*, defaults to `False`):
+            Keep slow weights and momentum on the CPU to save accelerator memory.
+
+        > Metrics and export
+
+        divergence_steps (`int` or `None`, *optional*, defaults to `None`):
+            Compute the exact replica divergence (an all-reduce of the weights) every this many steps, at a
+            logging step. `None`: at every evaluation.
+        export_replica (`int` or `None`, *optional*, defaults to `None`):
+            What `save_model` exports: `None` the consensus (mean of each stage's replicas), or one replica's weights.
+    """
+
+    pipeline_stages: int = field(default=1, metadata={"help": "Number of pipeline stages."})
+    stage_boundaries: list[int] | None = field(
+        default=None, metadata={"help": "First decoder layer of stages 1..pipeline_stages-1; None splits evenly."}
+    )
+    microbatch_size: int | None = field(
+        default=None, metadata={"help": "Rows per pipeline microbatch; None picks one for a small bubble."}
+    )
+    p2p_timeout: float = field(default=300.0, metadata={"help": "Seconds to wait for a peer before failing."})
+    routing: str = field(
+        default="sample", metadata={"help": "Replica routing between stages.", "choices": list(ROUTING_GRANULARITIES)}
+    )
+    routing_seed: int | None = field(default=None, metadata={"help": "Shared routing/gossip seed; None uses seed."})
+    outer_optimizer: str = field(
+        default="noloco", metadata={"help": "Replica synchronisation method.", "choices": list(OUTER_METHODS)}
+    )
+    inner_steps: int | None = field(default=None, metadata={"help": "H: inner steps per outer step."})
+    outer_lr: float | None = field(default=None, metadata={"help": "beta: outer learning rate."})
+    outer_momentum: float | None = field(default=None, metadata={"help": "alpha: outer momentum."})
+    outer_averaging: float | None = field(default=None, metadata={"help": "gamma: pull towards the group mean."})
+    gossip_group_size: int = field(default=2, metadata={"help": "n: replicas averaged together (noloco)."})
+    outer_dtype: str = field(
+        default="float32", metadata={"help": "Outer state / exchange precision.", "choices": list(OUTER_DTYPES)}
+    )
+    offload_outer_state: bool = field(default=False, metadata={"help": "Keep outer state on the CPU."})
+    divergence_steps: int | None = field(
+        default=None, metadata={"help": "Exact replica divergence every N steps; None: at evaluations."}
+    )
+    export_replica: int | None = field(
+        default=None, metadata={"help": "Export one replica instead of the consensus (replica mean)."}
+    )
+    # Changed defaults: stages hold different layers, so no token averaging over all ranks (see
+    # reference notes), and every replica must see full batches of the same shape.
+    average_tokens_across_devices: bool = field(
+        default=False, metadata={"help": "Must stay False: ranks hold different stages."}
+    )
+    dataloader_drop_last: bool = field(default=True, metadata={"help": "Drop the last incomplete batch."})
+
+    def __post_init__(self):
+        if not self.use_cpu and not torch.cuda.is_available():
+            # Accelerate only picks the gloo (MULTI_CPU) path when told to use the CPU; on a machine without
+            # a GPU, launch configs written for GPUs must still work as written.
+            self.use_cpu = True
+        super().__post_init__()
+        if self.routing_seed is None:
+            self.routing_seed = self.seed
+        self.ddp_timeout = max(int(self.ddp_timeout), int(self.p2p_timeout))
+        self._validate()
+
+    @property
+    def outer_settings(self) -> dict:
+        """inner_steps, outer_lr, outer_momentum, outer_averaging with the method's paper defaults filled in."""
+        return resolve_outer_defaults(
+            self.outer_optimizer, self.inner_steps, self.outer_lr, self.outer_momentum, self.outer_averaging
+        )
+
+    def resolved_microbatch_size(self) -> int:
+        if self.microbatch_size is not None:
+            return self.microbatch_size
+        batch = self.per_device_train_batch_size
+        wanted = 2 * self.pipeline_stages if self.pipeline_stages > 1 else 1
+        divisors = [m for m in range(batch, 0, -1) if batch % m == 0 and batch // m >= wanted]
+        return divisors[0] if divisors else 1
+
+    def _validate(self) -> None:
+        def positive_int(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+        positive_int("pipeline_stages")
+        positive_int("per_device_train_batch_size")
+        positive_int("per_device_eval_batch_size")
+        if self.routing not in ROUTING_GRANULARITIES:
+            raise ValueError(f"Unknown routing {self.routing!r}: choose one of {', '.join(ROUTING_GRANULARITIES)}.")
+        if self.outer_dtype not in OUTER_DTYPES:
+            raise ValueError(f"outer_dtype must be one of {', '.join(OUTER_DTYPES)}, got {self.outer_dtype!r}.")
+        if not self.p2p_timeout > 0:
+            raise ValueError(f"p2p_timeout must be a positive number of seconds, got {self.p2p_timeout!r}.")
+        if self.microbatch_size is not None:
+            positive_int("microbatch_size")
+            if self.per_device_train_batch_size % self.microbatch_size:
+                raise ValueError(
+                    f"per_device_train_batch_size={self.per_device_train_batch_size} is not a multiple of "
+                    f"microbatch_size={self.microbatch_size}."
+                )
+        if self.divergence_steps is not None:
+            positive_int("divergence_steps")
+        if self.stage_boundaries is not None and len(self.stage_boundaries) != self.pipeline_stages - 1:
+            raise ValueError(
+                f"stage_boundaries must list the first layer of stages 1..{self.pipeline_stages - 1} "
+                f"({self.pipeline_stages - 1} numbers), got {self.stage_boundaries}."
+            )
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                "gradient_accumulation_steps must be 1: the pipeline already accumulates over microbatches. "
+                "Raise per_device_train_batch_size (and set microbatch_size) instead."
+            )
+        if self.average_tokens_across_devices:
+            raise ValueError("average_tokens_across_devices must be False: ranks hold different pipeline stages.")
+        if self.load_best_model_at_end:
+            raise ValueError("load_best_model_at_end is not supported by NoLoCoTrainer.")
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size % self.pipeline_stages:
+            raise ValueError(
+                f"The world size ({world_size} processes) is not divisible by pipeline_stages="
+                f"{self.pipeline_stages}: launch a multiple of {self.pipeline_stages} processes."
+            )
+        num_replicas = world_size // self.pipeline_stages
+        validate_outer_settings(
+            self.outer_optimizer, num_replicas, self.gossip_group_size, self.inner_steps, self.outer_lr,
+            self.outer_momentum, self.outer_averaging,
+        )
+        if self.export_replica is not None and not 0 <= self.export_replica < num_replicas:
+            raise ValueError(f"export_replica must be in [0, {num_replicas}), got {self.export_replica}.")

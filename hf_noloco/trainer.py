@@ -1,0 +1,443 @@
+"""NoLoCoTrainer: the Hugging Face Trainer driving one pipeline-stage replica per process.
+
+Each process builds only its own stage (from a Hub/local checkpoint, a config, or a model in memory),
+runs the routed pipeline schedule in ``training_step`` and wraps the Trainer's optimizer in the outer
+optimizer. Everything else is the Trainer's own machinery: schedulers, callbacks, logging, progress bar,
+``max_steps``/epochs, ``save_total_limit``.
+
+Gradient clipping uses the norm over the whole replica column (all stages of one replica), so a column
+clips like the unsplit model would; it costs one scalar all-reduce over the column per step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import prepare_data_loader
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import PretrainedConfig, PreTrainedModel, Trainer, default_data_collator
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from .config import NoLoCoConfig
+from .export import PLOT_FILE, plot_training_curves, render_model_card, save_consensus_checkpoint
+from .hub import check_hub_settings, push_folder_to_hub
+from .mesh import PipelineMesh
+from .metrics import perplexity, replica_divergence
+from .outer import OuterOptimizer, broadcast_replica_weights
+from .partition import build_stage, load_config, resolve_checkpoint, split_model
+from .pipeline import PipelineEngine
+from .routing import Router
+
+MESH_FILE = "noloco_mesh.json"
+BATCH_KEYS = ["input_ids", "labels", "attention_mask", "position_ids"]
+
+
+class _StageHandle(nn.Module):
+    """What the Trainer sees as its wrapped model: not the stage itself, so the Trainer never wraps the
+    stage in DistributedDataParallel (which would broadcast rank 0's weights over every stage)."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+
+class NoLoCoTrainer(Trainer):
+    """Trains a Llama-family causal LM with NoLoCo (or DiLoCo, data parallel, no sync) over pipeline stages.
+
+    Args:
+        model: a Hub id or local folder (fine-tuning: only this process's stage is read from the safetensors
+            files), a ``PretrainedConfig`` (pretraining from scratch) or a model instance (split in memory).
+        args: a :class:`NoLoCoConfig`.
+        dataset_name: shown in the model card.
+        Other arguments are the Trainer's. ``data_collator`` defaults to ``default_data_collator`` (packed blocks).
+    """
+
+    def __init__(
+        self,
+        model: str | PretrainedConfig | PreTrainedModel,
+        args: NoLoCoConfig,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        data_collator=None,
+        callbacks=None,
+        optimizers=(None, None),
+        dataset_name: str | None = None,
+        **kwargs,
+    ):
+        if not isinstance(args, NoLoCoConfig):
+            raise TypeError(f"NoLoCoTrainer needs a NoLoCoConfig, got {type(args).__name__}.")
+        _ensure_process_group(args)
+        self.mesh = PipelineMesh.build(args.pipeline_stages, device=args.device)
+        self.base_model = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None) or None
+        self.dataset_name = dataset_name
+        stage = self._build_stage(model, args)
+        broadcast_replica_weights(stage, self.mesh)
+        self._check_dataset_size(train_dataset, args)
+        super().__init__(
+            model=stage, args=args, data_collator=data_collator or default_data_collator,
+            train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+            callbacks=callbacks, optimizers=optimizers, **kwargs,
+        )
+        self.engine = PipelineEngine(
+            self.model, self.mesh, Router(self.mesh.num_replicas, args.routing, args.routing_seed),
+            args.resolved_microbatch_size(), p2p_timeout=args.p2p_timeout,
+            autocast=lambda: self.autocast_smart_context_manager(),
+        )
+        self.outer: OuterOptimizer | None = None
+        self.tokens_seen = 0
+        self._last_divergence_step = 0
+        self._last_log = (0, time.monotonic())
+
+    # ------------------------------------------------------------------------------------------- set-up
+
+    def _build_stage(self, model, args: NoLoCoConfig) -> nn.Module:
+        mesh = self.mesh
+        if isinstance(model, PreTrainedModel):
+            stage = split_model(model, mesh.stage, mesh.num_stages, args.stage_boundaries)
+            return stage.to(args.device)
+        if isinstance(model, str):
+            checkpoint = resolve_checkpoint(model)
+            config = load_config(checkpoint)
+        elif isinstance(model, PretrainedConfig):
+            checkpoint, config = None, model
+            torch.manual_seed(args.seed)  # replica 0's initialisation is broadcast to the others
+        else:
+            raise TypeError(
+                f"model must be a Hub id or folder, a PretrainedConfig or a PreTrainedModel, got {type(model).__name__}."
+            )
+        return build_stage(config, mesh.stage, mesh.num_stages, args.stage_boundaries, checkpoint, args.device)
+
+    def _check_dataset_size(self, dataset, args: NoLoCoConfig) -> None:
+        if dataset is None or not hasattr(dataset, "__len__"):
+            return
+        needed = self.mesh.num_replicas * args.per_device_train_batch_size
+        if len(dataset) < needed:
+            raise ValueError(
+                f"The training set has {len(dataset)} samples, fewer than one batch per replica "
+                f"({self.mesh.num_replicas} replicas x per_device_train_batch_size="
+                f"{args.per_device_train_batch_size} = {needed}). Use more data or a smaller batch."
+            )
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = list(BATCH_KEYS)
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        return model if isinstance(model, _StageHandle) else _StageHandle(self.model)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            super().create_optimizer(model)
+        if not isinstance(self.optimizer, OuterOptimizer):
+            args = self.args
+            self.outer = OuterOptimizer(
+                self.optimizer, list(self.model.parameters()), self.mesh, method=args.outer_optimizer,
+                inner_steps=args.inner_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                outer_averaging=args.outer_averaging, gossip_group_size=args.gossip_group_size,
+                outer_dtype=args.outer_dtype, offload_outer_state=args.offload_outer_state,
+                seed=args.routing_seed, p2p_timeout=args.p2p_timeout,
+            )
+            self.optimizer = self.outer
+        return self.optimizer
+
+    def _replica_loader(self, dataset, batch_size, shuffle, description):
+        """A dataloader over this replica's shard: both stages of a replica get the same batches."""
+        dataset = self._remove_unused_columns(dataset, description=description)
+        loader = DataLoader(
+            dataset, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle and self.args.dataloader_drop_last,
+            collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory and self.args.device.type == "cuda",
+        )
+        return prepare_data_loader(
+            loader, self.args.device, num_processes=self.mesh.num_replicas, process_index=self.mesh.replica,
+            put_on_device=True, use_seedable_sampler=shuffle, data_seed=self.args.data_seed or self.args.seed,
+            even_batches=shuffle,
+        )
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("NoLoCoTrainer.train() needs a train_dataset.")
+        return self._replica_loader(self.train_dataset, self._train_batch_size, True, "training")
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset.")
+        return self._replica_loader(dataset, self.args.per_device_eval_batch_size, False, "evaluation")
+
+    # ---------------------------------------------------------------------------------------- training
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        if not resume_from_checkpoint and _checkpoints_in(self.args.output_dir):
+            raise ValueError(
+                f"{self.args.output_dir} already holds checkpoints of a run. Resume it with "
+                "resume_from_checkpoint=True, or choose another output_dir."
+            )
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.model.train()
+        result = self.engine.train_step(inputs)
+        self.outer.reduce_gradients()
+        self.tokens_seen += inputs["input_ids"].numel() * self.mesh.num_replicas
+        # Every rank reports its column's loss, so the Trainer's mean over all ranks is the replicas' mean.
+        loss = result.loss if result.loss is not None else torch.zeros((), device=self.args.device)
+        loss = loss.detach().to(self.args.device, torch.float32)
+        if self.mesh.num_stages > 1:
+            dist.broadcast(loss, self.mesh.rank_of(self.mesh.replica, self.mesh.num_stages - 1),
+                           group=self.mesh.column_group)
+        return loss
+
+    def _column_grad_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        square = torch.zeros((), dtype=torch.float32, device=self.args.device)
+        for g in grads:
+            square += g.detach().float().pow(2).sum()
+        if self.mesh.num_stages > 1:
+            dist.all_reduce(square, group=self.mesh.column_group)
+        return square.sqrt()
+
+    def _clip_grad_norm(self, model):
+        norm = self._column_grad_norm()
+        scale = torch.clamp(self.args.max_grad_norm / (norm + 1e-6), max=1.0)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+        return norm
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return (grad_norm if grad_norm is not None else self._column_grad_norm()).item()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds NoLoCo's metrics to training logs. Runs on every rank, so collectives are safe here."""
+        if "loss" in logs and self.outer is not None:
+            step = self.state.global_step
+            steps = self.args.divergence_steps
+            if steps is not None and step - self._last_divergence_step >= steps:
+                logs.update(replica_divergence(self.model, self.mesh))
+                self._last_divergence_step = step
+            stats = torch.tensor(
+                [self.outer.last_divergence_estimate or 0.0, float(self.outer.last_divergence_estimate is not None),
+                 float(self.outer.bytes_sent)], dtype=torch.float64, device=self.args.device,
+            )
+            dist.all_reduce(stats)
+            if stats[1] > 0:
+                logs["replica_divergence_estimate"] = (stats[0] / stats[1]).item()
+            logs["outer_bytes_sent_per_rank"] = (stats[2] / self.mesh.world_size).item()
+            last_tokens, last_time = self._last_log
+            now = time.monotonic()
+            logs["tokens_seen"] = self.tokens_seen
+            logs["tokens_per_second"] = (self.tokens_seen - last_tokens) / max(now - last_time, 1e-9)
+            self._last_log = (self.tokens_seen, now)
+        super().log(logs, start_time)
+
+    # -------------------------------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Perplexity pooled over all replicas' shards, each replica column evaluated as one model (fixed
+        routing). Also the exact replica divergence, unless ``divergence_steps`` schedules it elsewhere."""
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        start = time.monotonic()
+        for batch in self.get_eval_dataloader(eval_dataset):
+            loss_sum, tokens = self.engine.eval_step(batch)
+            totals += torch.tensor([loss_sum, tokens], dtype=torch.float64, device=totals.device)
+        if self.mesh.num_replicas > 1:
+            dist.all_reduce(totals, group=self.mesh.replica_group)
+        loss_sum, tokens = totals.tolist()
+        metrics = {
+            f"{metric_key_prefix}_loss": loss_sum / max(tokens, 1),
+            f"{metric_key_prefix}_perplexity": perplexity(loss_sum, max(tokens, 1)),
+            f"{metric_key_prefix}_tokens": int(tokens),
+            f"{metric_key_prefix}_runtime": time.monotonic() - start,
+        }
+        if self.args.divergence_steps is None:
+            metrics.update(replica_divergence(self.model, self.mesh))
+        self.model.train()
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def predict(self, *args, **kwargs):
+        raise NotImplementedError("NoLoCoTrainer does not support predict(); export the model and use it directly.")
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    def _save_checkpoint(self, model, trial):
+        """Every rank writes its stage replica into a temporary folder that rank 0 renames when all are done:
+        a checkpoint folder is complete or absent."""
+        self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f"tmp-{name}")
+        if self.mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        self._save_rank_state(tmp)
+        if self.mesh.rank == 0:
+            for callback in self.callback_handler.callbacks + [self.control]:
+                if hasattr(callback, "state") and callable(callback.state):
+                    self.state.stateful_callbacks[type(callback).__name__] = callback.state()
+            self.state.save_to_json(os.path.join(tmp, "trainer_state.json"))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+            self.model.config.to_json_file(os.path.join(tmp, "config.json"))
+            with open(os.path.join(tmp, MESH_FILE), "w") as f:
+                json.dump(self._mesh_record(), f, indent=2)
+        dist.barrier()
+        if self.mesh.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
+        dist.barrier()
+
+    def _rank_dir(self, checkpoint: str) -> str:
+        return os.path.join(checkpoint, f"stage-{self.mesh.stage}-replica-{self.mesh.replica}")
+
+    def _save_rank_state(self, folder: str) -> None:
+        rank_dir = self._rank_dir(folder)
+        os.makedirs(rank_dir, exist_ok=True)
+        weights = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        save_file(weights, os.path.join(rank_dir, "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), os.path.join(rank_dir, "optimizer.pt"))
+        torch.save({"engine": self.engine.state_dict(), "tokens_seen": self.tokens_seen},
+                   os.path.join(rank_dir, "pipeline.pt"))
+        self._save_rng_state(folder)
+
+    def _mesh_record(self) -> dict:
+        return {
+            "pipeline_stages": self.mesh.num_stages, "num_replicas": self.mesh.num_replicas,
+            "layer_ranges": self._all_layer_ranges(), "outer_optimizer": self.args.outer_optimizer,
+            "routing": self.args.routing,
+        }
+
+    def _all_layer_ranges(self):
+        from .partition import stage_layer_ranges
+
+        return stage_layer_ranges(self.model.config.num_hidden_layers, self.mesh.num_stages, self.args.stage_boundaries)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        with open(os.path.join(resume_from_checkpoint, MESH_FILE)) as f:
+            saved = json.load(f)
+        mine = self._mesh_record()
+        for key in ("pipeline_stages", "num_replicas", "layer_ranges", "outer_optimizer"):
+            if saved[key] != json.loads(json.dumps(mine[key])):
+                raise ValueError(
+                    f"Cannot resume {resume_from_checkpoint}: it was saved with {key}={saved[key]}, this run has "
+                    f"{mine[key]}. Resume with the same pipeline_stages, number of processes, stage_boundaries "
+                    "and outer_optimizer."
+                )
+        rank_dir = self._rank_dir(resume_from_checkpoint)
+        self.model.load_state_dict(load_file(os.path.join(rank_dir, "model.safetensors"), device=str(self.args.device)))
+        state = torch.load(os.path.join(rank_dir, "pipeline.pt"), weights_only=True)
+        self.engine.load_state_dict(state["engine"])
+        self.tokens_seen = state["tokens_seen"]
+        self._last_log = (self.tokens_seen, time.monotonic())
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return
+        rank_dir = self._rank_dir(checkpoint)
+        self.optimizer.load_state_dict(
+            torch.load(os.path.join(rank_dir, "optimizer.pt"), weights_only=True, map_location=self.args.device)
+        )
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+
+    # ------------------------------------------------------------------------------------------ export
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Exports the consensus model (or ``export_replica``) as one ordinary HF checkpoint with a model card
+        and training curves. Collective: every rank calls it."""
+        output_dir = output_dir or self.args.output_dir
+        path = save_consensus_checkpoint(
+            self.model, self.mesh, self.model.config, output_dir, tokenizer=self.processing_class,
+            replica=self.args.export_replica,
+        )
+        if path is not None:
+            self._write_model_card(output_dir)
+        dist.barrier()
+
+    def _write_model_card(self, output_dir: str) -> None:
+        history = self.state.log_history
+        last = lambda key: next((e[key] for e in reversed(history) if key in e), None)  # noqa: E731
+        plot = plot_training_curves(history, os.path.join(output_dir, PLOT_FILE)) if history else None
+        render_model_card(
+            output_dir, base_model=self.base_model, dataset=self.dataset_name or "unknown",
+            settings={
+                "pipeline_stages": self.mesh.num_stages, "num_replicas": self.mesh.num_replicas,
+                "outer_optimizer": self.args.outer_optimizer, **self.args.outer_settings,
+                "gossip_group_size": self.args.gossip_group_size, "routing": self.args.routing,
+                "export_replica": self.args.export_replica,
+            },
+            final_perplexity=last("eval_perplexity"), replica_divergence=last("replica_divergence"),
+            tokens_seen=self.tokens_seen, plot_file=plot, repo_id=self.hub_model_id,
+        )
+
+    def create_model_card(self, *args, **kwargs):
+        if self.is_world_process_zero():
+            self._write_model_card(self.args.output_dir)
+
+    def init_hf_repo(self, token=None, private=None):
+        """Checks the push settings on every rank before training; the repo is created when pushing."""
+        self.hub_model_id = check_hub_settings(True, self.args.hub_model_id, token or self.args.hub_token)
+
+    def _push_from_checkpoint(self, checkpoint_folder):
+        pass  # checkpoints are per-rank shards; only the exported model is pushed
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
+                    revision=None, **kwargs) -> str | None:
+        """Exports to ``output_dir`` (collective) and uploads it from rank 0."""
+        self.save_model(self.args.output_dir)
+        url = None
+        if self.mesh.rank == 0:
+            url = push_folder_to_hub(
+                self.args.output_dir, self.hub_model_id or self.args.hub_model_id,
+                token=token or self.args.hub_token, private=self.args.hub_private_repo,
+                commit_message=commit_message or "End of training", revision=revision,
+            )
+        dist.barrier()
+        return url
+
+    def end(self):
+        """Finishes the wandb run (the Trainer never does) and destroys the process group."""
+        if self.is_world_process_zero():
+            try:
+                import wandb
+
+                if wandb.run is not None:
+                    wandb.finish()
+            except ImportError:
+                pass
+        if dist.is_initialized():
+            dist.barrier()
+        super().end()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _ensure_process_group(args: NoLoCoConfig) -> None:
+    """Accelerate initialises the process group when launched; a plain ``python script.py`` gets a
+    one-process gloo group so that the same code paths run."""
+    args._setup_devices  # noqa: B018 - initialises torch.distributed under accelerate/torchrun
+    if not dist.is_initialized():
+        from .local_launch import free_port
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+            timeout=timedelta(seconds=args.ddp_timeout),
+        )
+
+
+def _checkpoints_in(folder: str) -> bool:
+    return os.path.isdir(folder) and any(n.startswith(f"{PREFIX_CHECKPOINT_DIR}-") for n in os.listdir(folder))
