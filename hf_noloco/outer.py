@@ -1,0 +1,483 @@
+"""Outer optimizers over the data-parallel replicas of one pipeline stage: noloco, diloco, ddp, local.
+
+``OuterOptimizer`` wraps the inner optimizer of one stage replica, so the Trainer keeps calling
+``optimizer.step()`` / ``zero_grad()``; every ``inner_steps`` steps it runs an outer step:
+
+- ``noloco``: the replicas are split into random gossip groups (pairs by default); each replica exchanges
+  its fast weights with its partners point to point (no all-reduce, no root rank) and moves its slow weights
+  towards the group mean with momentum. With gamma == beta only the fast weights cross the network.
+- ``diloco``: the pseudo-gradients ``theta - phi`` are all-reduced over the stage's replicas.
+- ``ddp``: no outer step; :meth:`OuterOptimizer.reduce_gradients` averages gradients every step.
+- ``local``: no synchronisation.
+
+The math is in :mod:`hf_noloco.gossip`; this file moves tensors and keeps the state.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hf_noloco.comm import PeerError, exchange, wait_sends
+from hf_noloco.gossip import (
+    OUTER_STEP_METHODS,
+    diloco_update_,
+    divergence_from_partners,
+    gossip_groups,
+    group_of,
+    noloco_update_,
+    resolve_outer_defaults,
+    validate_outer_settings,
+)
+from hf_noloco.mesh import PipelineMesh
+
+_OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str):
+        dtype = _OUTER_DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if dtype not in _OUTER_DTYPES.values():
+        raise ValueError(f"outer_dtype must be float32 or bfloat16, got {dtype!r}.")
+    return dtype
+
+
+def _bucket(params: list[torch.Tensor], max_bytes: float) -> list[list[int]]:
+    """Indices of consecutive parameters whose fp32 copies fit in ``max_bytes`` (a larger tensor: alone)."""
+    buckets, current, size = [], [], 0
+    for i, p in enumerate(params):
+        nbytes = p.numel() * 4
+        if current and size + nbytes > max_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+
+
+def _write_back(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _ring_allreduce_bytes(nbytes: int, n: int) -> int:
+    # Gloo/NCCL do not report traffic; a ring all-reduce (the bandwidth-optimal algorithm) sends and receives
+    # 2 (n-1)/n of the buffer per process, which is what we count.
+    return 2 * (n - 1) * nbytes // n
+
+
+def _wait_collective(work: dist.Work, timeout: float, what: str) -> None:
+    try:
+        completed = work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:  # gloo: timeout or a dead peer
+        raise PeerError(f"{what} failed within p2p_timeout={timeout:g}s ({exc})") from exc
+    if completed is False:
+        raise PeerError(f"{what} timed out after p2p_timeout={timeout:g}s")
+
+
+class OuterOptimizer(torch.optim.Optimizer):
+    """Wraps the inner optimizer of one stage replica and adds the outer synchronisation over its replicas.
+
+    ``param_groups``, ``defaults`` and ``state`` are the inner optimizer's (the same objects), so LR
+    schedulers and Accelerate's ``AcceleratedOptimizer`` work on the wrapper. Build it after
+    :func:`broadcast_replica_weights`: the slow weights phi are snapshotted from ``params`` here.
+
+    Args:
+        inner: the optimizer of this replica's stage parameters (AdamW, SGD, ...).
+        params: the stage's parameters, in an order identical on every replica of the stage.
+        mesh: the process mesh; the outer sync runs over ``mesh.replica_group``.
+        method: ``"noloco"``, ``"diloco"``, ``"ddp"`` or ``"local"``.
+        inner_steps, outer_lr, outer_momentum, outer_averaging: H, beta, alpha, gamma (None: paper default).
+        gossip_group_size: n, the size of a noloco gossip group (2 = pairs).
+        outer_dtype: dtype of what crosses the network in an outer step (``bfloat16`` halves the bytes; phi
+            and delta stay float32).
+        offload_outer_state: keep phi and delta on the CPU to save accelerator memory.
+        seed: shared by all ranks; draws the gossip groups.
+        p2p_timeout: seconds to wait for a peer before raising :class:`~hf_noloco.comm.PeerError`.
+        bucket_mb: the outer step works on buckets of at most this many MiB of fp32 weights (one message per
+            partner and bucket), which bounds its temporary memory; small enough that CPU allocators reuse the
+            temporaries instead of mapping fresh pages every outer step (4x faster on CPU at 64 MiB stages).
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        mesh: PipelineMesh,
+        method: str = "noloco",
+        inner_steps: int | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        outer_averaging: float | None = None,
+        gossip_group_size: int = 2,
+        outer_dtype: torch.dtype | str = torch.float32,
+        offload_outer_state: bool = False,
+        seed: int = 0,
+        p2p_timeout: float = 300.0,
+        bucket_mb: float = 16.0,
+    ):
+        validate_outer_settings(
+            method,
+            mesh.num_replicas,
+            gossip_group_size,
+            inner_steps,
+            outer_lr,
+            outer_momentum,
+            outer_averaging,
+        )
+        settings = resolve_outer_defaults(method, inner_steps, outer_lr, outer_momentum, outer_averaging)
+        # torch.optim.Optimizer bookkeeping, without param groups of our own (they are the inner optimizer's).
+        torch._C._log_api_usage_once("hf_noloco.outer")
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+        self.inner = inner
+        self.mesh = mesh
+        self.method = method
+        self.inner_steps = settings["inner_steps"]
+        self.outer_lr = settings["outer_lr"]
+        self.outer_momentum = settings["outer_momentum"]
+        self.outer_averaging = settings["outer_averaging"]
+        self.gossip_group_size = gossip_group_size
+        self.outer_dtype = _as_dtype(outer_dtype)
+        self.offload_outer_state = offload_outer_state
+        self.seed = seed
+        self.p2p_timeout = p2p_timeout
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("OuterOptimizer got an empty parameter list.")
+        self.numel = sum(p.numel() for p in self.params)
+        self._buckets = _bucket(self.params, bucket_mb * 2**20)
+
+        self.inner_step_count = 0
+        self.outer_step_count = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.last_divergence_estimate: float | None = None
+        self.last_groups: list[list[int]] | None = None
+        self.just_synced = False
+
+        # Slow weights phi and outer momentum delta: one flat float32 buffer per bucket (the outer step works
+        # on flat buffers), exposed per parameter as views (what the state dict holds).
+        self._phi_flat: list[torch.Tensor] = []
+        self._delta_flat: list[torch.Tensor] = []
+        self.phi: list[torch.Tensor] = []
+        self.delta: list[torch.Tensor] = []
+        if method in OUTER_STEP_METHODS:
+            state_device = torch.device("cpu") if offload_outer_state else self.params[0].device
+            pin = offload_outer_state and torch.cuda.is_available()
+            for bucket in self._buckets:
+                tensors = [self.params[i] for i in bucket]
+                phi = _flatten(tensors, torch.float32).to(state_device)
+                phi = phi.pin_memory() if pin else phi
+                delta = torch.zeros_like(phi)
+                self._phi_flat.append(phi)
+                self._delta_flat.append(delta)
+                self.phi += self._views(phi, tensors)
+                self.delta += self._views(delta, tensors)
+
+    # --- the torch.optim.Optimizer surface, delegated to the inner optimizer -------------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # A property, not a copy: inner.load_state_dict() replaces inner.param_groups with a new list.
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def defaults(self) -> dict:
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict) -> None:
+        self.inner.defaults = value
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return (
+            f"OuterOptimizer(method={self.method}, inner_steps={self.inner_steps}, outer_lr={self.outer_lr}, "
+            f"outer_momentum={self.outer_momentum}, inner={self.inner!r})"
+        )
+
+    # --- steps ----------------------------------------------------------------------------------------------
+
+    def step(self, closure=None):
+        """One inner step; every ``inner_steps`` of them (noloco, diloco) also an outer step."""
+        loss = self.inner.step() if closure is None else self.inner.step(closure)
+        self.inner_step_count += 1
+        self.just_synced = False
+        if self.method in OUTER_STEP_METHODS and self.inner_step_count % self.inner_steps == 0:
+            self.outer_step()
+        return loss
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        """Runs one outer step now (normally called by :meth:`step`). Collective over the stage's replicas."""
+        if self.method == "noloco":
+            self._noloco_step()
+        elif self.method == "diloco":
+            self._diloco_step()
+        else:
+            return
+        self.outer_step_count += 1
+        self.just_synced = True
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """``ddp``: averages the gradients over the stage's replicas (call after backward, before clipping).
+
+        A no-op for the other methods. A parameter without a gradient contributes zeros and stays without one.
+        """
+        n = self.mesh.num_replicas
+        if self.method != "ddp" or n == 1:
+            return
+        for bucket in self._buckets:
+            params = [self.params[i] for i in bucket]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            dtypes = {g.dtype for g in grads}
+            flat = _flatten(grads, dtypes.pop() if len(dtypes) == 1 else torch.float32)
+            work = dist.all_reduce(flat, group=self.mesh.replica_group, async_op=True)
+            _wait_collective(
+                work,
+                self.p2p_timeout,
+                f"ddp gradient all-reduce over the replicas of stage "
+                f"{self.mesh.stage} ({self.mesh.describe()})",
+            )
+            flat.div_(n)
+            for p, offset in zip(params, _offsets(params)):
+                if p.grad is not None:
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+            traffic = _ring_allreduce_bytes(_nbytes(flat), n)
+            self.bytes_sent += traffic
+            self.bytes_received += traffic
+
+    def _noloco_step(self) -> None:
+        mesh = self.mesh
+        groups = gossip_groups(mesh.num_replicas, self.gossip_group_size, self.seed, self.outer_step_count)
+        partners = [r for r in group_of(groups, mesh.replica) if r != mesh.replica]
+        peers = [mesh.rank_of(r, mesh.stage) for r in partners]
+        group_n = len(partners) + 1
+        # gamma == beta: delta <- alpha delta + beta (mean_G theta - phi_i): no slow weights from partners.
+        need_phi = self.outer_averaging != self.outer_lr
+        context = f"NoLoCo outer step {self.outer_step_count} of {mesh.describe()}"
+        sq_dist = 0.0
+        for b, bucket in enumerate(self._buckets):
+            params = [self.params[i] for i in bucket]
+            theta = _flatten(params, torch.float32)  # our own copy stays exact; only the wire copy is rounded
+            outgoing = [theta.to(self.outer_dtype)]
+            if need_phi:
+                outgoing.append(self._phi_flat[b].to(device=theta.device, dtype=self.outer_dtype))
+            incoming = [[torch.empty_like(t) for t in outgoing] for _ in peers]
+            # Two messages to the same peer are matched in the order listed: theta, then phi.
+            pending = exchange(
+                [(t, peer) for peer in peers for t in outgoing],
+                [(t, peer) for peer, bufs in zip(peers, incoming) for t in bufs],
+                self.p2p_timeout,
+                self._describe_rank,
+                context,
+            )
+            wait_sends(pending, self.p2p_timeout, self._describe_rank, context)
+            self.bytes_sent += sum(_nbytes(t) for t in outgoing) * len(peers)
+            self.bytes_received += sum(_nbytes(t) for bufs in incoming for t in bufs)
+            # Finite checks ride on reductions we need anyway (one pass each, no temporaries): a NaN or inf
+            # anywhere makes the sum, or the squared distance to a partner, non-finite.
+            self._check_finite([t.sum() for t in outgoing], "this replica's own weights", context)
+            # mean_G theta = theta + (1/n) sum_j (theta_j - theta): computed in place, in the receive buffers
+            # and our flat copy of theta (which becomes the mean), with the distances for the estimate.
+            diffs = []
+            for peer, bufs in zip(peers, incoming):
+                diff = bufs[0].float().sub_(theta)  # in place when fp32 (.float() is then a no-op)
+                dist_sq = torch.dot(diff, diff)
+                self._check_finite(
+                    [dist_sq] + [t.sum() for t in bufs[1:]],
+                    f"the weights received from {self._describe_rank(peer)}",
+                    context,
+                )
+                sq_dist += dist_sq.item()
+                diffs.append(diff)
+            theta_mean = theta
+            for diff in diffs:
+                theta_mean.add_(diff, alpha=1.0 / group_n)
+            del diffs
+            phi_mean = None
+            if need_phi:
+                phi_mean = self._phi_flat[b].to(theta.device, copy=True)
+                for bufs in incoming:
+                    phi_mean += bufs[1].float()
+                phi_mean /= group_n
+                phi_mean = phi_mean.to(self._phi_flat[b].device)
+            noloco_update_(
+                self._phi_flat[b],
+                self._delta_flat[b],
+                theta_mean.to(self._phi_flat[b].device),
+                self.outer_momentum,
+                self.outer_lr,
+                self.outer_averaging,
+                phi_mean,
+            )
+            _write_back(params, self._phi_flat[b].to(theta_mean.device))  # theta <- phi
+        self.last_groups = groups
+        self.last_divergence_estimate = divergence_from_partners(
+            sq_dist, len(peers), self.numel, mesh.num_replicas
+        )
+
+    def _diloco_step(self) -> None:
+        mesh, n = self.mesh, self.mesh.num_replicas
+        what = (
+            f"DiLoCo all-reduce of outer step {self.outer_step_count} over the replicas of stage {mesh.stage}"
+        )
+        for b, bucket in enumerate(self._buckets):
+            params = [self.params[i] for i in bucket]
+            theta = _flatten(params, torch.float32)
+            pseudo = (theta - self._phi_flat[b].to(theta.device)).to(self.outer_dtype)
+            own_finite = bool(torch.isfinite(pseudo.sum()))  # a NaN/inf anywhere makes the sum non-finite
+            if n > 1:
+                work = dist.all_reduce(pseudo, group=mesh.replica_group, async_op=True)
+                _wait_collective(work, self.p2p_timeout, f"{what} ({mesh.describe()})")
+                traffic = _ring_allreduce_bytes(_nbytes(pseudo), n)
+                self.bytes_sent += traffic
+                self.bytes_received += traffic
+            # Check after the collective, so that no replica is left waiting for one that gave up.
+            if not own_finite:
+                raise FloatingPointError(
+                    f"{what}: this replica's own weights ({mesh.describe()}) are not finite."
+                )
+            if not bool(torch.isfinite(pseudo.sum())):
+                raise FloatingPointError(
+                    f"{what}: the averaged pseudo-gradient is not finite: another replica of "
+                    f"stage {mesh.stage} sent NaN/inf weights ({mesh.describe()})."
+                )
+            mean = pseudo.float().div_(n).to(self._phi_flat[b].device)
+            diloco_update_(self._phi_flat[b], self._delta_flat[b], mean, self.outer_momentum, self.outer_lr)
+            _write_back(params, self._phi_flat[b].to(theta.device))
+
+    def _describe_rank(self, rank: int) -> str:
+        return f"rank {rank} (stage {rank % self.mesh.num_stages}, replica {rank // self.mesh.num_stages})"
+
+    @staticmethod
+    def _check_finite(reductions: list[torch.Tensor], what: str, context: str) -> None:
+        for t in reductions:
+            if not bool(torch.isfinite(t)):
+                raise FloatingPointError(
+                    f"{context}: {what} contain NaN or inf; stopping rather than averaging "
+                    "them into a partner."
+                )
+
+    @staticmethod
+    def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [flat[o : o + t.numel()].view(t.shape) for o, t in zip(_offsets(like), like)]
+
+    def reset_outer_state(self) -> None:
+        """phi <- the current weights, delta <- 0 (e.g. after loading weights into the model)."""
+        with torch.no_grad():
+            for b, bucket in enumerate(self._buckets):
+                if self._phi_flat:
+                    self._phi_flat[b].copy_(_flatten([self.params[i] for i in bucket], torch.float32))
+                    self._delta_flat[b].zero_()
+
+    # --- checkpointing --------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state dict plus an ``"outer"`` entry: phi, delta (one tensor per parameter,
+        in ``params`` order), the step and byte counters and the settings they were made with."""
+        state = dict(self.inner.state_dict())
+        state["outer"] = {
+            "method": self.method,
+            "inner_step_count": self.inner_step_count,
+            "outer_step_count": self.outer_step_count,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "last_divergence_estimate": self.last_divergence_estimate,
+            "phi": list(self.phi),
+            "delta": list(self.delta),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores what :meth:`state_dict` saved; phi and delta are copied into this optimizer's own buffers
+        (so they keep their device, e.g. the CPU when offloaded)."""
+        state_dict = dict(state_dict)
+        outer = state_dict.pop("outer", None)
+        if outer is None:
+            raise ValueError(
+                "This optimizer state dict has no 'outer' entry: it was not saved by OuterOptimizer."
+            )
+        if outer["method"] != self.method:
+            raise ValueError(
+                f"The state dict was saved with outer method {outer['method']!r}, but this optimizer "
+                f"uses {self.method!r}."
+            )
+        if len(outer["phi"]) != len(self.phi) or len(outer["delta"]) != len(self.delta):
+            raise ValueError(
+                f"The state dict holds outer state for {len(outer['phi'])} parameters, this optimizer "
+                f"has {len(self.phi)}."
+            )
+        for saved, mine, name in [(s, m, "phi") for s, m in zip(outer["phi"], self.phi)] + [
+            (s, m, "delta") for s, m in zip(outer["delta"], self.delta)
+        ]:
+            if saved.shape != mine.shape:
+                raise ValueError(
+                    f"Outer state {name} has shape {tuple(saved.shape)}, expected {tuple(mine.shape)}."
+                )
+        self.inner.load_state_dict(state_dict)
+        with torch.no_grad():
+            for saved, mine in zip(outer["phi"] + outer["delta"], self.phi + self.delta):
+                mine.copy_(saved)
+        self.inner_step_count = int(outer["inner_step_count"])
+        self.outer_step_count = int(outer["outer_step_count"])
+        self.bytes_sent = int(outer["bytes_sent"])
+        self.bytes_received = int(outer["bytes_received"])
+        self.last_divergence_estimate = outer.get("last_divergence_estimate")
+
+
+def _offsets(tensors: list[torch.Tensor]) -> list[int]:
+    offsets, o = [], 0
+    for t in tensors:
+        offsets.append(o)
+        o += t.numel()
+    return offsets
+
+
+@torch.no_grad()
+def broadcast_replica_weights(module: torch.nn.Module, mesh: PipelineMesh) -> None:
+    """Makes every replica of a stage start identical: replica 0's parameters and buffers are broadcast
+    within the stage's replica group. Collective over every rank; call it before building the optimizers."""
+    if mesh.num_replicas == 1:
+        return
+    src = mesh.rank_of(0, mesh.stage)
+    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    for t in tensors:  # once at start-up: one message per tensor is fine
+        buf = t if t.is_contiguous() else t.contiguous()
+        dist.broadcast(buf, src=src, group=mesh.replica_group)
+        if buf is not t:
+            t.copy_(buf)
