@@ -70,6 +70,10 @@ def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, NoLoCoCo
         for key, value in recipe.items():
             cli += _to_cli(key, value)
         argv = argv[1:]
+    # Unknown keys fail here, before the dataclasses are built (building NoLoCoConfig joins the process group).
+    _, unknown = parser.parse_known_args(cli + list(argv))
+    if unknown:
+        raise ValueError(f"Unknown options: {' '.join(unknown)}. `hf-noloco-train --help` lists the valid ones.")
     model_args, data_args, config = parser.parse_args_into_dataclasses(args=cli + list(argv))
     if (model_args.model_name_or_path is None) == (model_args.model_config is None):
         raise ValueError("Give exactly one of model_name_or_path (fine-tune) or model_config (pretrain from scratch).")

@@ -64,7 +64,8 @@ class NoLoCoConfig(TrainingArguments):
         gossip_group_size (`int`, *optional*, defaults to `2`):
             n, replicas averaged together at a noloco outer step.
         outer_dtype (`str`, *optional*, defaults to `"float32"`):
-            Precision of the outer state and of the exchanged weights: `"float32"` or `"bfloat16"` (half the bytes).
+            Precision of the weights sent in an outer step: `"float32"` or `"bfloat16"` (half the bytes). The
+            outer state itself (slow weights, momentum) always stays float32.
         offload_outer_state (`bool`, *optional*, defaults to `False`):
             Keep slow weights and momentum on the CPU to save accelerator memory.
 
@@ -98,7 +99,7 @@ class NoLoCoConfig(TrainingArguments):
     outer_averaging: float | None = field(default=None, metadata={"help": "gamma: pull towards the group mean."})
     gossip_group_size: int = field(default=2, metadata={"help": "n: replicas averaged together (noloco)."})
     outer_dtype: str = field(
-        default="float32", metadata={"help": "Outer state / exchange precision.", "choices": list(OUTER_DTYPES)}
+        default="float32", metadata={"help": "Precision of the weights sent in an outer step.", "choices": list(OUTER_DTYPES)}
     )
     offload_outer_state: bool = field(default=False, metadata={"help": "Keep outer state on the CPU."})
     divergence_steps: int | None = field(
@@ -119,11 +120,13 @@ class NoLoCoConfig(TrainingArguments):
             # Accelerate only picks the gloo (MULTI_CPU) path when told to use the CPU; on a machine without
             # a GPU, launch configs written for GPUs must still work as written.
             self.use_cpu = True
-        super().__post_init__()
+        # Validate first: TrainingArguments.__post_init__ initialises the process group when launched, and a
+        # bad setting must fail before that, on every rank alike.
+        self._validate()
         if self.routing_seed is None:
             self.routing_seed = self.seed
         self.ddp_timeout = max(int(self.ddp_timeout), int(self.p2p_timeout))
-        self._validate()
+        super().__post_init__()
 
     @property
     def outer_settings(self) -> dict:

@@ -114,7 +114,7 @@ def validate_outer_settings(
         if num_replicas < 2:
             raise ValueError(
                 "outer method 'noloco' needs at least 2 replicas per stage: with a single replica "
-                "there is no partner to average with. Use outer_method='local' (no sync) instead, "
+                "there is no partner to average with. Use outer_optimizer='local' (no sync) instead, "
                 "or launch more processes."
             )
         if (
@@ -132,7 +132,7 @@ def validate_outer_settings(
                 f"per stage: use at most {num_replicas}."
             )
     elif outer_averaging is not None:
-        raise ValueError("outer_averaging (gamma) only applies to outer_method='noloco'.")
+        raise ValueError("outer_averaging (gamma) only applies to outer_optimizer='noloco'.")
 
 
 def gossip_groups(num_replicas: int, group_size: int, seed: int, outer_step: int) -> list[list[int]]:

@@ -339,7 +339,7 @@ class NoLoCoTrainer(Trainer):
                     "and outer_optimizer."
                 )
         rank_dir = self._rank_dir(resume_from_checkpoint)
-        self.model.load_state_dict(load_file(os.path.join(rank_dir, "model.safetensors"), device=str(self.args.device)))
+        self.model.load_state_dict(load_file(os.path.join(rank_dir, "model.safetensors")))
         state = torch.load(os.path.join(rank_dir, "pipeline.pt"), weights_only=True)
         self.engine.load_state_dict(state["engine"])
         self.tokens_seen = state["tokens_seen"]
@@ -350,7 +350,7 @@ class NoLoCoTrainer(Trainer):
             return
         rank_dir = self._rank_dir(checkpoint)
         self.optimizer.load_state_dict(
-            torch.load(os.path.join(rank_dir, "optimizer.pt"), weights_only=True, map_location=self.args.device)
+            torch.load(os.path.join(rank_dir, "optimizer.pt"), weights_only=True, map_location="cpu")
         )
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
 

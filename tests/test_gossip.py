@@ -62,7 +62,7 @@ def test_paper_defaults():
         ({"outer_averaging": 3.0}, r"outer_averaging \(gamma\) must be in \[0, 2\]"),
         ({"method": "diloco", "inner_steps": 0}, "inner_steps"),
         ({"method": "diloco", "outer_momentum": 1.5}, "outer_momentum"),
-        ({"method": "diloco", "outer_averaging": 0.3}, "only applies to outer_method='noloco'"),
+        ({"method": "diloco", "outer_averaging": 0.3}, "only applies to outer_optimizer='noloco'"),
     ],
 )
 def test_bad_settings_get_clear_errors(kwargs, match):

@@ -1,0 +1,254 @@
+"""NoLoCoTrainer end to end on real gloo processes: learning, wandb, export, push, resume, fine-tuning."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from dist_harness import run_distributed
+from hf_noloco.config import NoLoCoConfig
+from hf_noloco.partition import split_model
+from test_hub import FakeHub
+from tiny_models import tiny_model
+from wandb_records import history_rows
+
+BLOCK = 32
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def byte_corpus(blocks: int, offset: int = 0) -> Dataset:
+    """Real English text (CPython's pydoc topics) as byte tokens: no tokenizer to train."""
+    from pydoc_data.topics import topics
+
+    data = "\n".join(topics[k] for k in sorted(topics)).encode()[offset * BLOCK:]
+    rows = [list(data[i * BLOCK:(i + 1) * BLOCK]) for i in range(blocks)]
+    return Dataset.from_dict({"input_ids": rows, "labels": rows})
+
+
+def byte_config(layers=4):
+    return LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=False)
+
+
+def make_args(out, **overrides) -> NoLoCoConfig:
+    settings = dict(
+        output_dir=str(out), pipeline_stages=2, per_device_train_batch_size=8, microbatch_size=2,
+        per_device_eval_batch_size=8, learning_rate=3e-3, warmup_steps=0, lr_scheduler_type="constant",
+        max_steps=40, logging_steps=5, eval_strategy="steps", eval_steps=20, save_strategy="no",
+        report_to="none", disable_tqdm=True, inner_steps=5, seed=3,
+    )
+    settings.update(overrides)
+    return NoLoCoConfig(**settings)
+
+
+def _train_wandb_export_push(out, endpoint):
+    import huggingface_hub.constants
+
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    huggingface_hub.constants.ENDPOINT = endpoint
+    args = make_args(out, report_to="wandb", eval_on_start=True, divergence_steps=10, push_to_hub=True, inner_steps=3,
+                     hub_model_id="fake-user/tiny-noloco", hub_token="hf_fake_token_123")
+    trainer = NoLoCoTrainer(byte_config(), args, train_dataset=byte_corpus(256), eval_dataset=byte_corpus(32, 300),
+                            dataset_name="pydoc-topics")
+    trainer.train()
+    trainer.evaluate()
+    final = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    url = trainer.push_to_hub()
+    history = trainer.state.log_history
+    trainer.end()
+    return final, history, url
+
+
+def test_noloco_run_learns_logs_exports_and_pushes(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    out = tmp_path / "run"
+    with FakeHub() as hub:
+        results = run_distributed(_train_wandb_export_push, 4, str(out), hub.endpoint, timeout_s=180)
+    finals = [r[0] for r in results]
+    history, url = results[0][1], results[0][2]
+
+    # Learning: pooled eval perplexity falls well below its value at step 0.
+    evals = [h["eval_perplexity"] for h in history if "eval_perplexity" in h]
+    assert evals[-1] < 0.5 * evals[0], evals
+    # NoLoCo metrics reached the logs and the offline wandb run.
+    assert any("replica_divergence" in h for h in history if "loss" in h)
+    assert any("replica_divergence_estimate" in h for h in history)
+    rows = history_rows(str(tmp_path / "wandb-home"))
+    keys = set().union(*rows)
+    assert {"eval/perplexity", "train/replica_divergence", "train/loss"} <= keys
+    assert any(r.get("train/replica_divergence", 0) > 0 for r in rows)  # replicas do differ between syncs
+
+    # Export: one ordinary checkpoint whose weights are the mean of each stage's replicas (rank = replica*2 + stage).
+    model = AutoModelForCausalLM.from_pretrained(out)
+    for name, tensor in model.state_dict().items():
+        stage = 0 if name in finals[0] else 1
+        mean = (finals[stage][name] + finals[2 + stage][name]) / 2
+        torch.testing.assert_close(tensor, mean, rtol=0, atol=1e-6, msg=name)
+    # Its logits equal the consensus stages composed by hand.
+    ids = torch.tensor([list(b"The quick brown fox jumps over the lazy dog.")])
+    hidden = ids
+    for s in range(2):
+        hidden = split_model(model, s, 2)(hidden)
+    torch.testing.assert_close(model(ids).logits, hidden, rtol=0, atol=1e-6)
+
+    card = (out / "README.md").read_text()
+    assert "trained from scratch" in card.lower() and "noloco" in card and "pydoc-topics" in card
+    [card_ppl] = re.findall(r"Final evaluation perplexity \| ([0-9.]+)", card)
+    assert float(card_ppl) == pytest.approx(evals[-1], rel=1e-3)
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    [commit] = hub.commits
+    assert commit["repo_id"] == "fake-user/tiny-noloco" and url.startswith(hub.endpoint)
+    assert {"README.md", "config.json", "model.safetensors", "training_curves.png"} <= set(commit["files"])
+
+
+def _straight_then_resumed(out):
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    data = byte_corpus(256)
+    runs = []
+    for resume in (None, os.path.join(out, "checkpoint-6")):
+        args = make_args(out, max_steps=12, logging_steps=1, eval_strategy="no", save_strategy="steps", save_steps=6,
+                         inner_steps=4, outer_optimizer="noloco", routing="sample", lr_scheduler_type="cosine",
+                         warmup_steps=2)
+        trainer = NoLoCoTrainer(byte_config(), args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        runs.append((losses, {k: v.clone() for k, v in trainer.model.state_dict().items()},
+                     trainer.outer.outer_step_count))
+    trainer.end()
+    return runs
+
+
+def test_resume_continues_exactly(tmp_path):
+    for (straight, resumed) in run_distributed(_straight_then_resumed, 4, str(tmp_path / "run"), timeout_s=180):
+        losses, weights, outer_steps = straight
+        resumed_losses, resumed_weights, resumed_outer_steps = resumed
+        assert outer_steps == resumed_outer_steps == 3  # outer steps at 4, 8 and 12 straddle the resume
+        assert sorted(resumed_losses) == list(range(1, 13))  # steps 1-6 come back with the trainer state
+        assert all(resumed_losses[s] == losses[s] for s in range(1, 13))
+        for name in weights:
+            assert torch.equal(weights[name], resumed_weights[name]), name
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-12", "checkpoint-6"]
+
+
+def _finetune(path, eval_rows):
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    eval_set = Dataset.from_dict({"input_ids": eval_rows, "labels": eval_rows})
+    args = make_args(os.path.join(path, "out"), max_steps=10, eval_strategy="no", learning_rate=1e-2,
+                     outer_optimizer="diloco")
+    rows = [[(i * 7 + j) % 96 for j in range(BLOCK)] for i in range(64)]
+    trainer = NoLoCoTrainer(path, args, train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}),
+                            eval_dataset=eval_set)
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate(Dataset.from_dict({"input_ids": rows[:16], "labels": rows[:16]}))["eval_loss"]
+    trainer.end()
+    return before, after
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_finetuning_starts_from_the_checkpoint(tmp_path, family):
+    model = tiny_model(family, layers=4, seed=9)
+    model.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    eval_rows = torch.randint(0, 96, (16, BLOCK), generator=g)
+    with torch.no_grad():
+        reference = model(input_ids=eval_rows, labels=eval_rows).loss.item()  # every row has BLOCK-1 targets
+    results = run_distributed(_finetune, 4, str(tmp_path), eval_rows.tolist(), timeout_s=180)
+    for before, after in results:
+        assert before == pytest.approx(reference, rel=1e-5)
+        assert after < 0.8 * reference  # and it trains from there (the rows are a learnable pattern)
+
+
+def _bad_trainer_inputs(folder):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    errors = {}
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(
+        os.path.join(folder, "gpt2"))
+    attempts = {
+        "not_llama": lambda: NoLoCoTrainer(os.path.join(folder, "gpt2"), make_args(folder, pipeline_stages=1,
+                                                                                   outer_optimizer="local")),
+        "too_small": lambda: NoLoCoTrainer(byte_config(), make_args(folder, pipeline_stages=1, outer_optimizer="local",
+                                                                    eval_strategy="no"),
+                                           train_dataset=byte_corpus(5)),
+        "push_without_repo": lambda: NoLoCoTrainer(byte_config(), make_args(
+            folder, pipeline_stages=1, outer_optimizer="local", push_to_hub=True, hub_token="hf_x", eval_strategy="no")),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except ValueError as exc:
+            errors[name] = str(exc)
+    os.makedirs(os.path.join(folder, "old", "checkpoint-3"))
+    trainer = NoLoCoTrainer(byte_config(), make_args(os.path.join(folder, "old"), pipeline_stages=1,
+                                                     outer_optimizer="local", eval_strategy="no"), train_dataset=byte_corpus(16))
+    try:
+        trainer.train()
+    except ValueError as exc:
+        errors["old_run"] = str(exc)
+    return errors
+
+
+def test_bad_trainer_inputs_fail_before_training(tmp_path):
+    [errors] = run_distributed(_bad_trainer_inputs, 1, str(tmp_path), timeout_s=120)
+    assert "not a Llama-family causal LM" in errors["not_llama"]
+    assert "5 samples, fewer than one batch per replica" in errors["too_small"]
+    assert "hub_model_id" in errors["push_without_repo"]
+    assert "already holds checkpoints" in errors["old_run"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--no_such_option", "3"], "no_such_option"),
+        (["--pipeline_stages", "3"], "not divisible by pipeline_stages=3"),
+        (["--outer_optimizer", "gossip"], "invalid choice: 'gossip'"),
+        (["--per_device_train_batch_size", "-2"], "per_device_train_batch_size must be a positive integer"),
+        (["--inner_steps", "0"], "inner_steps"),
+        (["--microbatch_size", "3"], "not a multiple of microbatch_size=3"),
+    ],
+)
+def test_bad_recipe_overrides_are_refused(overrides, message, monkeypatch, capsys):
+    from hf_noloco.cli import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as under a 4-process launch: errors must come before joining it
+    with pytest.raises((ValueError, SystemExit)) as info:
+        parse_args([os.path.join(ROOT, "recipes", "llama-tiny", "noloco.yaml"), *overrides])
+    assert message in str(info.value) + capsys.readouterr().err
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    from hf_noloco.cli import _tokenizer, parse_args
+
+    tiny_model("llama", 2).save_pretrained(tmp_path)
+    model_args, data_args, config = parse_args(["--model_name_or_path", str(tmp_path), "--output_dir",
+                                                str(tmp_path / "o"), "--outer_optimizer", "local"])
+    with pytest.raises(ValueError, match="No tokenizer could be loaded"):
+        _tokenizer(model_args, data_args, config)
+
+
+def test_a_failing_rank_ends_the_whole_launch(tmp_path):
+    """Launched like a user would: every rank fails before training, with the error shown, and nothing hangs."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_DATASETS_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(ROOT, "recipes", "accelerate_configs", "cpu.yaml"), "--num_processes", "2",
+           os.path.join(ROOT, "recipes", "train.py"), os.path.join(ROOT, "recipes", "llama-tiny", "noloco.yaml"),
+           "--output_dir", str(tmp_path / "out"), "--max_train_samples", "1", "--report_to", "none",
+           "--pipeline_stages", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "fewer than one batch per replica" in proc.stdout + proc.stderr
