@@ -38,8 +38,13 @@ class StepResult:
     samples it processed of (summed token cross-entropy / target tokens of the sample's origin batch)."""
 
     loss: torch.Tensor | None
-    target_tokens: int = 0  # target tokens the last stage scored
-    sample_ids: list[list[int]] = field(default_factory=list)  # per microbatch, as processed here
+    target_tokens: torch.Tensor | None = None  # target tokens the last stage scored
+    sample_id_tensors: list[torch.Tensor] = field(default_factory=list)  # per microbatch, as processed here
+
+    @property
+    def sample_ids(self) -> list[list[int]]:
+        # Converted only on request: on a GPU, .tolist() would wait for the device.
+        return [ids.tolist() for ids in self.sample_id_tensors]
 
 
 class PipelineEngine:
@@ -121,7 +126,7 @@ class PipelineEngine:
 
         inputs, outputs, sends = [], [], []
         loss = torch.zeros((), dtype=torch.float32, device=self.device) if self.stage.is_last else None
-        target_tokens = 0
+        target_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         sample_ids = []
         for m in range(num_micro):
             span = slice(m * micro, (m + 1) * micro)
@@ -130,7 +135,7 @@ class PipelineEngine:
             else:
                 x, mb_meta = self._receive_forward(router, m, micro, seq_len)
                 x.requires_grad_(training)
-            sample_ids.append(mb_meta[:, 0].tolist())
+            sample_ids.append(mb_meta[:, 0])
             labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len)
             with self.autocast():
                 y = self.stage(x, attention_mask=attention_mask, position_ids=position_ids)
@@ -139,7 +144,7 @@ class PipelineEngine:
                     y.float().transpose(1, 2), F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:],
                     ignore_index=IGNORE_INDEX, reduction="none",
                 )
-                target_tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
+                target_tokens += (labels[:, 1:] != IGNORE_INDEX).sum()
                 if training:
                     y = (token_losses.sum(1) / mb_meta[:, 1].clamp(min=1)).sum()
                     loss += y.detach()
@@ -193,10 +198,10 @@ class PipelineEngine:
         # Sample ids are unique over the run: (per-replica sample index) * dp + origin replica.
         slots = torch.arange(self.samples_seen, self.samples_seen + rows, dtype=torch.int64)
         ids = slots * self.mesh.num_replicas + self.mesh.replica
-        target_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
-        fixed = torch.stack([ids, torch.full((rows,), target_tokens, dtype=torch.int64)], dim=1)
-        meta = torch.cat([fixed, labels.long(), mask.long(), positions.long()], dim=1)
-        return meta.to(self.device)
+        labels, mask, positions = (t.to(self.device, torch.int64) for t in (labels, mask, positions))
+        target_tokens = (labels[:, 1:] != IGNORE_INDEX).sum().expand(rows)
+        fixed = torch.stack([ids.to(self.device), target_tokens], dim=1)
+        return torch.cat([fixed, labels, mask, positions], dim=1)
 
     # ----------------------------------------------------------------------------------- communication
 
