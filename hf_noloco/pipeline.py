@@ -11,8 +11,8 @@ its labels, attention mask and position ids. The last stage weights each sample'
 mean of the replicas' gradients equals data parallel's gradient whatever the routing. Gradients go back
 along the same paths.
 
-Schedule: GPipe (all forwards, then all backwards in reverse order). Activations of every microbatch of
-the step are held until its backward; pick ``microbatch_size`` accordingly.
+Schedules: 1F1B (default; a stage holds at most ``num_stages - stage`` microbatches' activations) or GPipe
+(all forwards, then all backwards; holds every microbatch of the step). No forward is recomputed.
 """
 
 from __future__ import annotations
@@ -30,6 +30,27 @@ from .partition import IGNORE_INDEX, PipelineStage
 from .routing import Router, group_rows_by_peer
 
 _META_FIXED = 2  # sample id, origin batch's target-token count; then labels, attention mask, positions
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def pipeline_order(schedule: str, num_micro: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
+    """The order in which ``stage`` runs the forward ("F") and backward ("B") of each microbatch.
+
+    ``gpipe``: every forward, then every backward. ``1f1b``: ``num_stages - stage - 1`` warm-up forwards, then
+    one forward and one backward in turn, then the remaining backwards; a stage then holds the activations of
+    at most ``num_stages - stage`` microbatches instead of all of them. Every replica of a stage runs the same
+    order, and both ends of every link see its messages in the same order, so routing cannot deadlock it.
+    """
+    if schedule == "gpipe":
+        return [("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)]
+    if schedule != "1f1b":
+        raise ValueError(f"Unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+    warmup = min(num_stages - stage - 1, num_micro)
+    order = [("F", m) for m in range(warmup)]
+    for m in range(warmup, num_micro):
+        order += [("F", m), ("B", m - warmup)]
+    order += [("B", m) for m in range(num_micro - warmup, num_micro)]
+    return order
 
 
 @dataclass
@@ -57,6 +78,7 @@ class PipelineEngine:
         microbatch_size: rows per microbatch; the per-replica batch must be a multiple of it.
         p2p_timeout: seconds to wait for a peer before failing with an error that names it.
         autocast: a context manager factory wrapping each stage forward (e.g. bf16 autocast), or None.
+        schedule: ``"1f1b"`` (bounded activation memory) or ``"gpipe"``; see :func:`pipeline_order`.
     """
 
     def __init__(
@@ -67,7 +89,9 @@ class PipelineEngine:
         microbatch_size: int,
         p2p_timeout: float = 300.0,
         autocast=None,
+        schedule: str = "1f1b",
     ):
+        pipeline_order(schedule, 1, 1, 0)  # validates the name
         if microbatch_size < 1:
             raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}.")
         if router.num_replicas != mesh.num_replicas:
@@ -78,6 +102,8 @@ class PipelineEngine:
         self.microbatch_size = microbatch_size
         self.p2p_timeout = p2p_timeout
         self.autocast = autocast or contextlib.nullcontext
+        self.schedule = schedule
+        self.peak_microbatches_held = 0  # of the last step: what bounds activation memory
         self.device = next(stage.parameters()).device
         self.activation_dtype = next(stage.parameters()).dtype
         self.step_index = 0  # training steps run: the routing key of `step` granularity
@@ -123,15 +149,14 @@ class PipelineEngine:
         rows, seq_len = self._check_batch(batch, micro)
         num_micro = rows // micro
         meta = self._make_meta(batch, rows, seq_len) if self.stage.is_first else None
-
-        inputs, outputs, sends = [], [], []
+        inputs, outputs, sends, sample_ids = {}, {}, [], []
         loss = torch.zeros((), dtype=torch.float32, device=self.device) if self.stage.is_last else None
         target_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
-        sample_ids = []
-        for m in range(num_micro):
-            span = slice(m * micro, (m + 1) * micro)
+
+        def forward(m: int) -> None:
+            nonlocal loss, target_tokens
             if self.stage.is_first:
-                x, mb_meta = input_ids[span].to(self.device), meta[span]
+                x, mb_meta = input_ids[m * micro:(m + 1) * micro].to(self.device), meta[m * micro:(m + 1) * micro]
             else:
                 x, mb_meta = self._receive_forward(router, m, micro, seq_len)
                 x.requires_grad_(training)
@@ -145,30 +170,37 @@ class PipelineEngine:
                     ignore_index=IGNORE_INDEX, reduction="none",
                 )
                 target_tokens += (labels[:, 1:] != IGNORE_INDEX).sum()
-                if training:
+                if training:  # a sample's weight is 1 / (target tokens of the batch it came from)
                     y = (token_losses.sum(1) / mb_meta[:, 1].clamp(min=1)).sum()
                     loss += y.detach()
                 else:
                     loss += token_losses.sum()
             else:
-                sends += self._send_forward(router, m, micro, y.detach().to(self.activation_dtype), mb_meta)
-            inputs.append(x)
-            outputs.append(y)
-        self._wait(sends, "forward")
-        if not training:
-            return StepResult(loss, target_tokens, sample_ids)
+                sends.extend(self._send_forward(router, m, micro, y.detach().to(self.activation_dtype), mb_meta))
+            if training:
+                inputs[m], outputs[m] = x, y
+            self.peak_microbatches_held = max(self.peak_microbatches_held, len(outputs))
 
-        sends = []
-        for m in reversed(range(num_micro)):
+        def backward(m: int) -> None:
+            x, y = inputs.pop(m), outputs.pop(m)  # dropping them frees the microbatch's activations
             if self.stage.is_last:
-                outputs[m].backward()
+                y.backward()
             else:
-                grad = self._receive_backward(router, m, micro, outputs[m])
-                torch.autograd.backward(outputs[m], grad)
+                torch.autograd.backward(y, self._receive_backward(router, m, micro, y))
             if not self.stage.is_first:
-                sends += self._send_backward(router, m, micro, inputs[m].grad.to(self.activation_dtype))
-            inputs[m] = outputs[m] = None  # free the microbatch's activations now
-        self._wait(sends, "backward")
+                sends.extend(self._send_backward(router, m, micro, x.grad.to(self.activation_dtype)))
+
+        self.peak_microbatches_held = 0
+        order = (
+            pipeline_order(self.schedule, num_micro, self.mesh.num_stages, self.stage.stage_index)
+            if training else [("F", m) for m in range(num_micro)]
+        )
+        for op, m in order:
+            if op == "F":
+                forward(m)
+            else:
+                backward(m)
+        self._wait(sends, "step")
         return StepResult(loss, target_tokens, sample_ids)
 
     def _check_batch(self, batch: dict[str, torch.Tensor], micro: int) -> tuple[int, int]:

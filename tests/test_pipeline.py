@@ -1,5 +1,6 @@
 """The pipeline engine on real gloo processes, against the unsplit model computed in this process."""
 
+import itertools
 import time
 
 import pytest
@@ -10,7 +11,7 @@ from dist_harness import run_distributed
 from hf_noloco.comm import PeerError
 from hf_noloco.mesh import PipelineMesh
 from hf_noloco.partition import split_model
-from hf_noloco.pipeline import PipelineEngine
+from hf_noloco.pipeline import SCHEDULES, PipelineEngine, pipeline_order
 from hf_noloco.routing import Router
 from tiny_models import make_batch, shard, tiny_model
 
@@ -19,23 +20,26 @@ ROWS_PER_REPLICA, SEQ, MICRO, START = 6, 10, 2, 8
 
 def _run_engine(pp, layers, boundaries, routings):
     """Each rank: identical model weights, its column's shard of one global batch, one train step per
-    routing. Returns the loss, the gradients and the sample ids seen, per routing."""
+    (routing, schedule). Returns the loss, the gradients and the sample ids seen, per routing and schedule."""
     mesh = PipelineMesh.build(pp)
     model = tiny_model("llama", layers, seed=5)
     stage = split_model(model, mesh.stage, pp, boundaries)
     batch = shard(make_batch(ROWS_PER_REPLICA * mesh.num_replicas, SEQ, seed=6), mesh.replica, mesh.num_replicas)
     out = {}
     for routing in routings:
-        stage.zero_grad(set_to_none=True)
-        engine = PipelineEngine(stage, mesh, Router(mesh.num_replicas, routing, seed=11), MICRO, p2p_timeout=30)
-        engine.samples_seen, engine.step_index = START, 3
-        result = engine.train_step(batch)
-        evaluated = engine.eval_step(batch)
-        out[routing] = dict(
-            loss=None if result.loss is None else result.loss.item(),
-            grads={n: p.grad.clone() for n, p in stage.named_parameters()},
-            sample_ids=result.sample_ids, samples_seen=engine.samples_seen, evaluated=evaluated,
-        )
+        for schedule in SCHEDULES:
+            stage.zero_grad(set_to_none=True)
+            engine = PipelineEngine(stage, mesh, Router(mesh.num_replicas, routing, seed=11), MICRO, p2p_timeout=30,
+                                    schedule=schedule)
+            engine.samples_seen, engine.step_index = START, 3
+            result = engine.train_step(batch)
+            peak = engine.peak_microbatches_held
+            evaluated = engine.eval_step(batch)
+            out[routing, schedule] = dict(
+                loss=None if result.loss is None else result.loss.item(),
+                grads={n: p.grad.clone() for n, p in stage.named_parameters()},
+                sample_ids=result.sample_ids, samples_seen=engine.samples_seen, evaluated=evaluated, peak=peak,
+            )
     return mesh.stage, mesh.replica, out
 
 
@@ -69,10 +73,14 @@ def test_routing_does_not_change_the_mathematics(pp, dp, layers, boundaries, rou
     results = run_distributed(_run_engine, pp * dp, pp, layers, boundaries, routings, timeout_s=120)
     losses, grads, mean_grads, sums = _reference(layers, dp)
     router_of = {r: Router(dp, r, seed=11) for r in routings}
-    for routing in routings:
+    for routing, schedule in itertools.product(routings, SCHEDULES):
         by_stage = {}
         for stage, replica, out in results:
-            by_stage.setdefault(stage, {})[replica] = out[routing]
+            by_stage.setdefault(stage, {})[replica] = out[routing, schedule]
+        micro_steps = ROWS_PER_REPLICA // MICRO
+        for stage, replicas in by_stage.items():  # 1F1B bounds the activations a stage holds
+            expected_peak = min(pp - stage, micro_steps) if schedule == "1f1b" else micro_steps
+            assert all(replicas[r]["peak"] == expected_peak for r in range(dp))
         last = by_stage[pp - 1]
         # The loss: a replica's loss is a sum of per-shard mean losses, so the replicas' mean is DDP's.
         mean_loss = sum(last[r]["loss"] for r in range(dp)) / dp
@@ -145,3 +153,21 @@ def test_bad_batches_are_refused_with_clear_errors():
     [errors] = run_distributed(_bad_batches, 1)
     assert "not a multiple of microbatch_size=4" in errors[0]
     assert "`labels` has shape (4, 7)" in errors[1]
+
+
+@pytest.mark.parametrize("num_micro, num_stages", [(1, 1), (4, 2), (3, 4), (8, 3)])
+def test_pipeline_orders_run_each_microbatch_forward_then_backward_once(num_micro, num_stages):
+    for schedule in SCHEDULES:
+        for stage in range(num_stages):
+            order = pipeline_order(schedule, num_micro, num_stages, stage)
+            assert sorted(order) == sorted([("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)])
+            assert all(order.index(("F", m)) < order.index(("B", m)) for m in range(num_micro))
+            backwards = [m for op, m in order if op == "B"]
+            assert backwards == sorted(backwards)  # both ends of a link see gradients in the same order
+            held = peak = 0
+            for op, _ in order:
+                held += 1 if op == "F" else -1
+                peak = max(peak, held)
+            assert peak == (min(num_stages - stage, num_micro) if schedule == "1f1b" else num_micro)
+    with pytest.raises(ValueError, match="Unknown pipeline schedule 'zb'"):
+        pipeline_order("zb", 2, 2, 0)
