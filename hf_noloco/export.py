@@ -359,7 +359,7 @@ def render_model_card(
             ``export_replica`` (``None``: replica mean) says which weights were exported.
         final_perplexity / replica_divergence: final evaluation numbers, ``None`` when not measured.
         tokens_seen: training tokens processed (over all replicas).
-        plot_file: the training-curve PNG, relative to ``output_dir`` (or absolute inside it), or ``None``.
+        plot_file: the training-curve PNG (a path inside ``output_dir``, or a name relative to it), or ``None``.
         repo_id: the Hub repo the card is for (names the model and the usage snippet).
         template_path: another Jinja template to use.
 
@@ -396,8 +396,9 @@ def render_model_card(
         model_name=model_name,
         eval_results=eval_results,
     )
-    if plot_file is not None and os.path.isabs(plot_file):
-        plot_file = os.path.relpath(plot_file, output_dir)  # the card links it relative to the repo root
+    if plot_file is not None and os.path.dirname(plot_file):
+        # The card links it relative to the repo root, i.e. output_dir.
+        plot_file = os.path.relpath(os.path.abspath(plot_file), os.path.abspath(output_dir))
     export_replica = settings.get("export_replica")
     shown = {**settings, "export_replica": "replica mean" if export_replica is None else f"replica {export_replica}"}
     known = [(SETTING_LABELS[k], _format_value(shown[k])) for k in SETTING_LABELS if k in shown]

@@ -105,6 +105,7 @@ def test_noloco_run_learns_logs_exports_and_pushes(tmp_path, monkeypatch):
     assert "trained from scratch" in card.lower() and "noloco" in card and "pydoc-topics" in card
     [card_ppl] = re.findall(r"Final evaluation perplexity \| ([0-9.]+)", card)
     assert float(card_ppl) == pytest.approx(evals[-1], rel=1e-3)
+    assert "](training_curves.png)" in card  # linked relative to the repo root
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     [commit] = hub.commits
     assert commit["repo_id"] == "fake-user/tiny-noloco" and url.startswith(hub.endpoint)
