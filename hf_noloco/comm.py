@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -47,3 +50,76 @@ def _wait(work: dist.Work, timeout: float, action: str, context: str) -> None:
         raise PeerError(f"{context}: failed {action} within p2p_timeout={timeout:g}s ({exc})".lstrip(": ")) from exc
     if completed is False:
         raise PeerError(f"{context}: timed out {action} after p2p_timeout={timeout:g}s".lstrip(": "))
+
+
+def wait_collective(work: dist.Work, timeout: float, what: str) -> None:
+    """Waits for an async collective (``async_op=True``) for at most ``timeout`` seconds; a lost member is a
+    :class:`PeerError` that says which collective and which ranks were involved."""
+    _wait(work, timeout, "to complete", what)
+
+
+class PeerWatch:
+    """Tells, after a communication failure, which peers are gone, and keeps the job's first failure.
+
+    A gloo/NCCL collective that fails says only that "a connection closed" or "timed out", not which rank was
+    lost. So each rank stamps a counter in the rendezvous store every ``interval`` seconds from a daemon thread
+    (the store is hosted by the launcher's agent under torchrun/accelerate, so it outlives any worker). A rank
+    whose communication fails marks itself as failing, then watches the counters for ``3 * interval``: the
+    peers whose counter did not move and that are not failing themselves are lost (killed, crashed, frozen or
+    cut off). The first failing rank stores its diagnosis; ranks that fail after it (their peer is gone) just
+    read it, so every rank's error names the lost peer. All of this is best effort: without a reachable store
+    (e.g. it lived in a rank that died) the errors are the plain ones.
+    """
+
+    def __init__(self, rank: int, world_size: int, interval: float = 0.5):
+        self.rank, self.world_size, self.interval = rank, world_size, interval
+        self._prefix = "hf_noloco/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._stop = threading.Event()
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self.store = _get_default_store()
+        except Exception:  # noqa: BLE001 - no store (e.g. a custom init): no diagnosis, plain errors
+            self.store = None
+            return
+        self._thread = threading.Thread(target=self._beat, name="hf_noloco-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(f"{self._prefix}/beat/{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - store gone: nothing left to tell
+                return
+            self._stop.wait(self.interval)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def diagnose(self, message: str, describe: Callable[[int], str], find_lost: bool = True,
+                 timeout: float = 5.0) -> str | None:
+        """Records ``message`` (this rank's failure) and returns the job's first failure: ``message`` (plus the
+        lost peers, with ``find_lost``) when this rank is the first, another rank's record otherwise; ``None``
+        without a store."""
+        if self.store is None:
+            return None
+        try:
+            self.store.set_timeout(timedelta(seconds=timeout))  # we are failing: never wait long on the store
+            self.store.set(f"{self._prefix}/failing/{self.rank}", "1")
+            key = f"{self._prefix}/first_failure"
+            if not self.store.check([key]):
+                lost = self._lost_peers() if find_lost else []
+                if lost:
+                    message += "\nPeers that stopped responding: " + ", ".join(describe(r) for r in lost)
+                return self.store.compare_set(key, "", message).decode(errors="replace")
+            return self.store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store is gone too
+            return None
+
+    def _lost_peers(self) -> list[int]:
+        beats = lambda: [self.store.add(f"{self._prefix}/beat/{r}", 0) for r in range(self.world_size)]
+        before = beats()
+        time.sleep(3 * self.interval)
+        after = beats()
+        return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]
+                and not self.store.check([f"{self._prefix}/failing/{r}"])]

@@ -12,6 +12,7 @@ from .gossip import OUTER_METHODS, resolve_outer_defaults, validate_outer_settin
 from .routing import ROUTING_GRANULARITIES
 
 OUTER_DTYPES = ("float32", "bfloat16")
+NONFINITE_ACTIONS = ("error", "skip")
 
 
 @dataclass
@@ -35,8 +36,16 @@ class NoLoCoConfig(TrainingArguments):
             divisor giving at least `2 * pipeline_stages` microbatches (1 if none does), which keeps the
             pipeline bubble small.
         p2p_timeout (`float`, *optional*, defaults to `300`):
-            Seconds to wait for a peer's message before failing with an error that names it. Also used as the
-            process-group timeout of collectives.
+            Seconds to wait for a peer's message before failing with an error that names it. It also bounds
+            every collective of the training loop (the trainer sets its process groups' timeout to it), so a
+            lost rank stops the whole job within about this time. The set-up before training, checkpoint saving
+            and the export wait up to `ddp_timeout` instead (at least `p2p_timeout`): file I/O and uploads may
+            take longer.
+        nonfinite (`str`, *optional*, defaults to `"error"`):
+            What a non-finite (NaN/inf) loss or gradient does: `"error"` stops the run with an error naming the
+            step, stage and replica (checkpoints already written stay intact; resume from the last one), `"skip"`
+            drops that step's gradients, so the optimizer leaves the weights and its state untouched, logs a
+            warning and goes on. Every stage of the affected replica column takes the same decision.
 
         > Routing
 
@@ -86,6 +95,10 @@ class NoLoCoConfig(TrainingArguments):
         default=None, metadata={"help": "Rows per pipeline microbatch; None picks one for a small bubble."}
     )
     p2p_timeout: float = field(default=300.0, metadata={"help": "Seconds to wait for a peer before failing."})
+    nonfinite: str = field(
+        default="error", metadata={"help": "On a NaN/inf loss or gradient: stop with an error, or skip the step.",
+                                   "choices": list(NONFINITE_ACTIONS)}
+    )
     routing: str = field(
         default="sample", metadata={"help": "Replica routing between stages.", "choices": list(ROUTING_GRANULARITIES)}
     )
@@ -156,6 +169,8 @@ class NoLoCoConfig(TrainingArguments):
             raise ValueError(f"Unknown routing {self.routing!r}: choose one of {', '.join(ROUTING_GRANULARITIES)}.")
         if self.outer_dtype not in OUTER_DTYPES:
             raise ValueError(f"outer_dtype must be one of {', '.join(OUTER_DTYPES)}, got {self.outer_dtype!r}.")
+        if self.nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_ACTIONS)}, got {self.nonfinite!r}.")
         if not self.p2p_timeout > 0:
             raise ValueError(f"p2p_timeout must be a positive number of seconds, got {self.p2p_timeout!r}.")
         if self.microbatch_size is not None:

@@ -6,12 +6,21 @@ optimizer. Everything else is the Trainer's own machinery: schedulers, callbacks
 ``max_steps``/epochs, ``save_total_limit``.
 
 Gradient clipping uses the norm over the whole replica column (all stages of one replica), so a column
-clips like the unsplit model would; it costs one scalar all-reduce over the column per step.
+clips like the unsplit model would. One small all-reduce over the column per step carries the last stage's
+loss and every stage's squared gradient norm: it serves the loss report, clipping and the non-finite check.
+
+Failures: every wait of the training loop is bounded by ``p2p_timeout`` (P2P waits by the engine, collectives
+by the process groups' timeout, which the trainer sets). A rank whose communication fails finds the peers that
+stopped responding through heartbeats in the rendezvous store (:class:`~hf_noloco.comm.PeerWatch`); the first
+failure of the job is kept there and added to the errors of the ranks that fail after it, so each rank's log
+names the root cause.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -27,6 +36,7 @@ from torch.utils.data import DataLoader
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from .comm import PeerError, PeerWatch, wait_collective
 from .config import NoLoCoConfig
 from .export import PLOT_FILE, plot_training_curves, render_model_card, save_consensus_checkpoint
 from .hub import check_hub_settings, push_folder_to_hub
@@ -36,6 +46,8 @@ from .outer import OuterOptimizer, broadcast_replica_weights
 from .partition import build_stage, load_config, resolve_checkpoint, split_model
 from .pipeline import PipelineEngine
 from .routing import Router
+
+logger = logging.getLogger(__name__)
 
 MESH_FILE = "noloco_mesh.json"
 BATCH_KEYS = ["input_ids", "labels", "attention_mask", "position_ids"]
@@ -97,6 +109,10 @@ class NoLoCoTrainer(Trainer):
         self.tokens_seen = 0
         self._last_divergence_step = 0
         self._last_log = (0, time.monotonic())
+        self._grad_norm: torch.Tensor | None = None  # this step's column gradient norm (set by training_step)
+        # Set-up is over: from here on no rank should wait for another longer than p2p_timeout.
+        self._set_collective_timeout(args.p2p_timeout)
+        self.watch = PeerWatch(self.mesh.rank, self.mesh.world_size)
 
     # ------------------------------------------------------------------------------------------- set-up
 
@@ -183,29 +199,82 @@ class NoLoCoTrainer(Trainer):
                 f"{self.args.output_dir} already holds checkpoints of a run. Resume it with "
                 "resume_from_checkpoint=True, or choose another output_dir."
             )
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        except Exception as exc:  # re-raised, with the job's first failure added
+            error = self._with_root_cause(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _with_root_cause(self, exc: Exception) -> Exception:
+        """Records this failure as the job's first unless another rank's came first. A communication error comes
+        back as a PeerError that names the peers that stopped responding, or the first failure of the job."""
+        mine = f"{self.mesh.describe()}: {type(exc).__name__}: {exc}"[:4000]
+        communication = _is_communication_error(exc)
+        first = self.watch.diagnose(mine, self._describe_rank, find_lost=communication,
+                                    timeout=min(self.args.p2p_timeout, 5.0))
+        if first is None or not communication or first == mine:
+            return exc
+        if first.startswith(mine):  # this rank was first: its message plus the peers it lost
+            return PeerError(first)
+        return PeerError(f"{mine}\nThe first failure in this job was on {first}")
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.model.train()
         result = self.engine.train_step(inputs)
         self.outer.reduce_gradients()
         self.tokens_seen += inputs["input_ids"].numel() * self.mesh.num_replicas
-        # Every rank reports its column's loss, so the Trainer's mean over all ranks is the replicas' mean.
         loss = result.loss if result.loss is not None else torch.zeros((), device=self.args.device)
-        loss = loss.detach().to(self.args.device, torch.float32)
+        # One all-reduce over the column carries [loss (from the last stage), squared grad norm of each stage]:
+        # every rank then reports its column's loss (the Trainer's mean over ranks is the replicas' mean), clips
+        # by the column norm and knows where a NaN/inf came from, without a collective of its own.
+        stats = torch.zeros(1 + self.mesh.num_stages, dtype=torch.float32, device=self.args.device)
+        stats[0] = loss.detach().float()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                stats[1 + self.mesh.stage] += p.grad.detach().float().pow(2).sum()
         if self.mesh.num_stages > 1:
-            dist.broadcast(loss, self.mesh.rank_of(self.mesh.replica, self.mesh.num_stages - 1),
-                           group=self.mesh.column_group)
-        return loss
+            work = dist.all_reduce(stats, group=self.mesh.column_group, async_op=True)
+            wait_collective(work, self.args.p2p_timeout, f"{self.mesh.describe()}, step {self.state.global_step + 1}: "
+                            f"all-reduce of the loss and gradient norms over replica {self.mesh.replica}'s column "
+                            f"({self._describe_ranks(self.mesh.column_ranks())})")
+        self._grad_norm = stats[1:].sum().sqrt()
+        if not bool(torch.isfinite(stats).all()):
+            self._on_nonfinite(stats)
+        return stats[0]
+
+    def _on_nonfinite(self, stats: torch.Tensor) -> None:
+        """Every rank of the column sees the same ``stats``, so they all take the same decision here. Other
+        columns are unaffected: under "skip" their outer-step counters stay aligned (see below), under "error"
+        they fail within p2p_timeout on their next message to this column, naming this error."""
+        replica, last = self.mesh.replica, self.mesh.num_stages - 1
+        step = self.state.global_step + 1
+        problems = []
+        if not math.isfinite(stats[0].item()):
+            problems.append(f"a non-finite loss ({stats[0].item()}) on stage {last}, replica {replica} "
+                            f"(rank {self.mesh.rank_of(replica, last)})")
+        bad = [s for s in range(self.mesh.num_stages) if not math.isfinite(stats[1 + s].item())]
+        if bad:
+            problems.append("non-finite gradients on " + ", ".join(
+                f"stage {s}, replica {replica} (rank {self.mesh.rank_of(replica, s)})" for s in bad))
+        what = f"Step {step}: " + " and ".join(problems)
+        if self.args.nonfinite == "error":
+            raise FloatingPointError(
+                f"{what}. Stopping (nonfinite='error'); the checkpoints already written are complete: resume from "
+                "the last one (perhaps with a lower learning rate), or set nonfinite='skip' to skip such steps."
+            )
+        # Skip: drop the gradients. Optimizers leave a parameter without a gradient (and its state) untouched, while
+        # OuterOptimizer.step() still counts the step, so outer steps stay aligned with the other replicas.
+        for p in self.model.parameters():
+            p.grad = None
+        if self.mesh.is_first_stage:  # one warning per column
+            logger.warning("%s. Skipping this step on replica %d (nonfinite='skip').", what, replica)
 
     def _column_grad_norm(self) -> torch.Tensor:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float32, device=self.args.device)
-        for g in grads:
-            square += g.detach().float().pow(2).sum()
-        if self.mesh.num_stages > 1:
-            dist.all_reduce(square, group=self.mesh.column_group)
-        return square.sqrt()
+        if self._grad_norm is None:  # only outside the training loop: training_step computes it
+            raise RuntimeError("The column gradient norm is computed by training_step.")
+        return self._grad_norm
 
     def _clip_grad_norm(self, model):
         norm = self._column_grad_norm()
@@ -230,7 +299,9 @@ class NoLoCoTrainer(Trainer):
                 [self.outer.last_divergence_estimate or 0.0, float(self.outer.last_divergence_estimate is not None),
                  float(self.outer.bytes_sent)], dtype=torch.float64, device=self.args.device,
             )
-            dist.all_reduce(stats)
+            work = dist.all_reduce(stats, async_op=True)
+            wait_collective(work, self.args.p2p_timeout, f"{self.mesh.describe()}, step {step}: all-reduce of "
+                            f"the logging statistics over all {self.mesh.world_size} ranks")
             if stats[1] > 0:
                 logs["replica_divergence_estimate"] = (stats[0] / stats[1]).item()
             logs["outer_bytes_sent_per_rank"] = (stats[2] / self.mesh.world_size).item()
@@ -281,11 +352,21 @@ class NoLoCoTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f"tmp-{name}")
+        with self._patient():  # writing files may take longer than p2p_timeout
+            self._write_checkpoint(run_dir, final, tmp)
+
+    def _write_checkpoint(self, run_dir: str, final: str, tmp: str) -> None:
         if self.mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier()
         self._save_rank_state(tmp)
+        # Rank 0 renames the folder only when every rank has written its shard. A monitored barrier (gloo) names
+        # the ranks that did not get there; rank 0 then fails and the others with it.
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=self.args.ddp_timeout), wait_all_ranks=True)
+        else:
+            dist.barrier()
         if self.mesh.rank == 0:
             for callback in self.callback_handler.callbacks + [self.control]:
                 if hasattr(callback, "state") and callable(callback.state):
@@ -360,13 +441,14 @@ class NoLoCoTrainer(Trainer):
         """Exports the consensus model (or ``export_replica``) as one ordinary HF checkpoint with a model card
         and training curves. Collective: every rank calls it."""
         output_dir = output_dir or self.args.output_dir
-        path = save_consensus_checkpoint(
-            self.model, self.mesh, self.model.config, output_dir, tokenizer=self.processing_class,
-            replica=self.args.export_replica,
-        )
-        if path is not None:
-            self._write_model_card(output_dir)
-        dist.barrier()
+        with self._patient():  # rank 0 writes the whole model while the others wait
+            path = save_consensus_checkpoint(
+                self.model, self.mesh, self.model.config, output_dir, tokenizer=self.processing_class,
+                replica=self.args.export_replica,
+            )
+            if path is not None:
+                self._write_model_card(output_dir)
+            dist.barrier()
 
     def _write_model_card(self, output_dir: str) -> None:
         history = self.state.log_history
@@ -400,14 +482,38 @@ class NoLoCoTrainer(Trainer):
         """Exports to ``output_dir`` (collective) and uploads it from rank 0."""
         self.save_model(self.args.output_dir)
         url = None
-        if self.mesh.rank == 0:
-            url = push_folder_to_hub(
-                self.args.output_dir, self.hub_model_id or self.args.hub_model_id,
-                token=token or self.args.hub_token, private=self.args.hub_private_repo,
-                commit_message=commit_message or "End of training", revision=revision,
-            )
-        dist.barrier()
+        with self._patient():  # the others wait while rank 0 uploads
+            if self.mesh.rank == 0:
+                url = push_folder_to_hub(
+                    self.args.output_dir, self.hub_model_id or self.args.hub_model_id,
+                    token=token or self.args.hub_token, private=self.args.hub_private_repo,
+                    commit_message=commit_message or "End of training", revision=revision,
+                )
+            dist.barrier()
         return url
+
+    # --------------------------------------------------------------------------------- timeouts
+
+    def _set_collective_timeout(self, seconds: float) -> None:
+        """Sets the timeout of every process group this rank uses. Groups made by ``new_group`` do not inherit
+        the default group's timeout (they get torch's 30 minutes), so each is set explicitly."""
+        for group in (None, self.mesh.replica_group, self.mesh.column_group):  # None: the default group
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+    @contextlib.contextmanager
+    def _patient(self):
+        """Collectives inside wait up to ``ddp_timeout`` (set-up, checkpoint and export I/O), then p2p_timeout again."""
+        self._set_collective_timeout(self.args.ddp_timeout)
+        try:
+            yield
+        finally:
+            self._set_collective_timeout(self.args.p2p_timeout)
+
+    def _describe_rank(self, rank: int) -> str:
+        return f"rank {rank} (stage {rank % self.mesh.num_stages}, replica {rank // self.mesh.num_stages})"
+
+    def _describe_ranks(self, ranks: list[int]) -> str:
+        return ", ".join(self._describe_rank(r) for r in ranks)
 
     def end(self):
         """Finishes the wandb run (the Trainer never does) and destroys the process group."""
@@ -419,6 +525,7 @@ class NoLoCoTrainer(Trainer):
                     wandb.finish()
             except ImportError:
                 pass
+        self.watch.close()
         if dist.is_initialized():
             dist.barrier()
         super().end()
@@ -437,6 +544,16 @@ def _ensure_process_group(args: NoLoCoConfig) -> None:
             "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
             timeout=timedelta(seconds=args.ddp_timeout),
         )
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    """A lost or stuck peer, as our waits report it (PeerError) or as gloo/NCCL do (RuntimeError subclasses)."""
+    if isinstance(exc, (PeerError, dist.DistError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("Connection closed", "Connection reset", "Timed out", "timed out", "monitoredBarrier",
+                                  "NCCL", "Socket"))
 
 
 def _checkpoints_in(folder: str) -> bool:

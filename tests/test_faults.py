@@ -1,0 +1,274 @@
+"""Fault injection on real processes (gloo, CPU): a rank killed mid-step, mid-outer-sync and mid-checkpoint,
+a hung rank, and non-finite losses/gradients. Each run is tests/fault_train.py (2 stages x 2 replicas, 8
+steps, checkpoints at 4 and 8, outer steps after 3 and 6); ranks: 0 = stage 0 replica 0, 1 = stage 1
+replica 0, 2 = stage 0 replica 1, 3 = stage 1 replica 1.
+
+Two ways to start the ranks:
+- ``launch``: processes forked from this one (cheap: no imports), without any launcher agent, so that only
+  our own detection can stop the survivors; the rendezvous store lives in this process, as it lives in the
+  agent under torchrun/accelerate.
+- ``launch_processes``/torchrun: separate ``python`` processes, as users start them.
+"""
+
+import glob
+import hashlib
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import fault_train
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_noloco.local_launch import free_port
+
+WORLD = 4
+P2P_TIMEOUT = 3.0
+DETECT_MARGIN = 4.0  # the lost-peer diagnosis (1.5 s) and a loaded 2-core machine
+EXIT_MARGIN = 15.0  # Python's exit after the error (2-3 s here)
+HERE = os.path.dirname(os.path.abspath(__file__))
+DESCRIBE = {r: f"rank {r} (stage {r % 2}, replica {r // 2})" for r in range(WORLD)}
+
+
+def _child(rank, store_port, out, env):
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(store_port), OMP_NUM_THREADS="1")
+    log = os.open(os.path.join(out, f"log-rank{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout = sys.stderr = open(log, "w", buffering=1, closefd=False)  # noqa: SIM115 - pytest replaced them
+    logging.getLogger().handlers = [logging.StreamHandler()]  # and the root logger's handlers
+    store = dist.TCPStore("127.0.0.1", store_port, WORLD, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        fault_train.run(out)  # an exception prints its traceback into the log and exits with code 1
+    finally:
+        print(f"fault_train: run() returned at monotonic {time.monotonic():.3f}", flush=True)
+
+
+def _finish(procs, out, exitcode, deadline):
+    """Waits for every process (``exitcode(p)`` or None while it runs) until ``deadline``; returns the exit codes,
+    the (monotonic) exit times and the logs; processes still running then (or stopped) are killed and reported
+    as ``None``."""
+    codes, times = [None] * len(procs), [None] * len(procs)
+    while time.monotonic() < deadline and not all(c is not None or _stopped(p.pid) for c, p in zip(codes, procs)):
+        for r, p in enumerate(procs):
+            if codes[r] is None and exitcode(p) is not None:
+                codes[r], times[r] = exitcode(p), time.monotonic()
+        time.sleep(0.05)
+    for r in range(len(procs)):
+        if codes[r] is None:  # left running or stopped: kill it so that the test machine stays clean
+            pid = int(Path(out, f"pid-rank{r}").read_text())
+            os.kill(pid, signal.SIGKILL)
+    logs = []
+    for r in range(len(procs)):
+        path = os.path.join(out, f"log-rank{r}.txt")
+        logs.append(Path(path).read_text(errors="replace") if os.path.exists(path) else "")
+    return codes, times, logs
+
+
+def _state(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _stopped(pid):
+    return _state(pid) == "T"
+
+
+def launch(out, timeout=90.0, **env):
+    """Forks the 4 ranks of one run; returns (exit codes, seconds to each exit, per-rank logs, results)."""
+    os.makedirs(out, exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, timeout=timedelta(seconds=60),
+                          wait_for_workers=False)
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_child, args=(r, store.port, str(out), env)) for r in range(WORLD)]
+    started = time.monotonic()
+    for p in procs:
+        p.start()
+    codes, times, logs = _finish(procs, str(out), lambda p: p.exitcode, started + timeout)
+    for p in procs:
+        p.join(5)
+    return codes, times, logs, _results(out)
+
+
+def _results(out):
+    return {r: torch.load(path, weights_only=False) for r in range(WORLD)
+            if os.path.exists(path := os.path.join(out, f"result-rank{r}.pt"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: every fault below is compared with it."""
+    out = tmp_path_factory.mktemp("reference")
+    codes, _, logs, results = launch(out)
+    assert codes == [0] * WORLD, logs
+    return out, results
+
+
+def raised_at(log):
+    """When the training code of a rank gave up (the monotonic clock is the machine's, as in this process)."""
+    return float(re.findall(r"run\(\) returned at monotonic ([0-9.]+)", log)[-1])
+
+
+def assert_survivors_name_the_victim(codes, times, logs, victim):
+    assert codes[victim] == -signal.SIGKILL, (codes, logs[victim][-2000:])
+    killed_at = times[victim]  # within 50 ms
+    for r in range(WORLD):
+        if r == victim:
+            continue
+        assert codes[r] == 1, (r, codes, logs[r][-3000:])
+        # Closed connections are seen at once; a rank waiting on a survivor that is failing may wait p2p_timeout.
+        assert raised_at(logs[r]) - killed_at < P2P_TIMEOUT + DETECT_MARGIN, (r, raised_at(logs[r]), killed_at)
+        assert times[r] - raised_at(logs[r]) < EXIT_MARGIN  # and then the process ends: no hang at exit
+        assert DESCRIBE[victim] in logs[r].split("PeerError: ")[-1], (r, logs[r][-3000:])
+
+
+def assert_resume_reproduces(reference, out):
+    """Resuming the faulty run's output_dir (the last complete checkpoint) ends where the reference ended."""
+    _, straight = reference
+    codes, _, logs, resumed = launch(out, RESUME="1")
+    assert codes == [0] * WORLD, logs
+    for r in range(WORLD):
+        assert resumed[r]["losses"] == straight[r]["losses"]  # steps 1-4 from the checkpoint, 5-8 recomputed
+        assert sorted(resumed[r]["losses"]) == list(range(1, 9))
+        assert resumed[r]["outer_steps"] == straight[r]["outer_steps"] == 2
+        for name, tensor in straight[r]["weights"].items():
+            assert torch.equal(resumed[r]["weights"][name], tensor), (r, name)
+
+
+def _digest(folder):
+    return {os.path.relpath(f, folder): hashlib.sha256(open(f, "rb").read()).hexdigest()
+            for f in sorted(glob.glob(os.path.join(folder, "**", "*"), recursive=True)) if os.path.isfile(f)}
+
+
+def _checkpoint_weights(folder):
+    return {p: d for p, d in _digest(folder).items() if p.endswith(("model.safetensors", "optimizer.pt"))}
+
+
+# ------------------------------------------------------------------------------------------ killed ranks
+
+
+def launch_processes(out, timeout=120.0, **env):
+    """The 4 ranks as separate `python fault_train.py` processes without any agent (rank 0 hosts the store)."""
+    os.makedirs(out, exist_ok=True)
+    port = free_port()
+    procs = []
+    started = time.monotonic()
+    for r in range(WORLD):
+        penv = dict(os.environ, **env, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", TMPDIR=str(out))
+        with open(os.path.join(out, f"log-rank{r}.txt"), "w") as log:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "fault_train.py"), str(out)],
+                                          env=penv, stdout=log, stderr=subprocess.STDOUT, cwd=out))
+    codes, times, logs = _finish(procs, str(out), lambda p: p.poll(), started + timeout)
+    return codes, times, logs
+
+
+def test_rank_killed_mid_step_stops_every_process_and_resume_reproduces(tmp_path, reference):
+    """Plain processes, no agent: the survivors' own waits find the dead peer (and exit: no hang at exit)."""
+    out = tmp_path / "run"
+    codes, times, logs = launch_processes(out, FAULT="kill-step:6:1")
+    assert_survivors_name_the_victim(codes, times, logs, victim=1)
+    assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == ["checkpoint-4"]
+    assert _checkpoint_weights(out / "checkpoint-4") == _checkpoint_weights(reference[0] / "checkpoint-4")
+    assert_resume_reproduces(reference, out)
+
+
+def test_rank_killed_mid_outer_sync(tmp_path, reference):
+    out = tmp_path / "run"
+    codes, times, logs, _ = launch(out, FAULT="kill-outer:6:2")
+    assert_survivors_name_the_victim(codes, times, logs, victim=2)
+    # Its partner was waiting for its weights in the same outer step.
+    assert f"NoLoCo outer step 1 of {DESCRIBE[0]}: failed receiving from {DESCRIBE[2]}" in logs[0], logs[0][-3000:]
+    assert_resume_reproduces(reference, out)
+
+
+def test_rank_killed_mid_checkpoint_leaves_the_previous_one(tmp_path, reference):
+    out = tmp_path / "run"
+    codes, times, logs, _ = launch(out, FAULT="kill-save:8:3")
+    assert_survivors_name_the_victim(codes, times, logs, victim=3)
+    names = sorted(n for n in os.listdir(out) if "checkpoint" in n)
+    assert names == ["checkpoint-4", "tmp-checkpoint-8"]  # the half-written one keeps its temporary name
+    assert not os.path.exists(out / "tmp-checkpoint-8" / "stage-1-replica-1" / "optimizer.pt")
+    assert_resume_reproduces(reference, out)  # resumes from checkpoint-4, never from the half-written 8
+
+
+def test_torchrun_ends_the_whole_job_when_a_rank_is_killed(tmp_path):
+    """What a user sees: the launcher's job ends non-zero and fast, the lost rank is visible, nothing is left."""
+    out = tmp_path / "run"
+    out.mkdir()
+    env = dict(os.environ, FAULT="kill-step:3:3", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1",
+               P2P_TIMEOUT="30")  # a long timeout: the agent, not our detection, ends this job
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(WORLD), os.path.join(HERE, "fault_train.py"), str(out)], env=env, capture_output=True,
+                          text=True, timeout=150, cwd=tmp_path, check=False)
+    ended = time.monotonic()
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert re.search(r"rank\s*: 3 \(local_rank: 3\)", text) and "Signal 9 (SIGKILL)" in text, text[-3000:]
+    [killed_at] = re.findall(r"sending SIGKILL to myself at monotonic ([0-9.]+)", text)
+    assert ended - float(killed_at) < 20, (ended, killed_at)  # the agent's SIGTERM, then Python's exit
+    for r in range(WORLD):
+        pid = int((out / f"pid-rank{r}").read_text())
+        assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z", r  # gone (or a zombie being reaped)
+
+
+# --------------------------------------------------------------------------------------------- hung rank
+
+
+def test_hung_rank_stops_the_others_within_p2p_timeout(tmp_path):
+    """A stopped process keeps its sockets open (like a frozen machine): only timeouts can end the wait, here
+    in the step's logging collectives over all ranks, whose process group would otherwise wait 30 minutes."""
+    out = tmp_path / "run"
+    codes, _, logs, _ = launch(out, FAULT="stop-log:2:3")
+    assert codes[3] is None  # stopped, killed by the test
+    stopped_at = raised_at(logs[3])  # its on_step_end callback stops it
+    for r in range(3):
+        assert codes[r] == 1, (r, logs[r][-3000:])
+        # The first to time out gives up its connections, so the others may see them close instead.
+        assert raised_at(logs[r]) - stopped_at < P2P_TIMEOUT + DETECT_MARGIN
+        assert DESCRIBE[3] in logs[r].split("PeerError: ")[-1], (r, logs[r][-3000:])
+    assert min(raised_at(logs[r]) for r in range(3)) - stopped_at >= P2P_TIMEOUT  # nobody could know earlier
+    assert any("timed out" in logs[r].lower() for r in range(3))
+
+
+# --------------------------------------------------------------------------------------------- non-finite
+
+
+def test_nonfinite_loss_stops_the_run_naming_step_stage_and_replica(tmp_path, reference):
+    out = tmp_path / "run"
+    codes, _, logs, _ = launch(out, FAULT="nan-loss:6:3")
+    assert codes == [1] * WORLD, logs
+    message = f"Step 6: a non-finite loss (nan) on stage 1, replica 1 ({DESCRIBE[3].split(' (')[0]})"
+    for r in (2, 3):  # replica 1's column stops at once with the error
+        assert "FloatingPointError: " + message in logs[r], logs[r][-3000:]
+    for r in (0, 1):  # replica 0's column: its own error (the NaN's gradients reached it) or the first failure
+        assert "Step 6" in logs[r] and "non-finite" in logs[r], logs[r][-3000:]
+    # The last good checkpoint is intact and no later one was started.
+    assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == ["checkpoint-4"]
+    assert _checkpoint_weights(out / "checkpoint-4") == _checkpoint_weights(reference[0] / "checkpoint-4")
+
+
+def test_nonfinite_gradient_can_skip_the_step(tmp_path, reference):
+    out = tmp_path / "run"
+    codes, _, logs, results = launch(out, FAULT="nan-grad:5:2", NONFINITE="skip")
+    assert codes == [0] * WORLD, logs
+    assert "Step 5: non-finite gradients on stage 0, replica 1 (rank 2). Skipping this step on replica 1" in logs[2]
+    for r in range(WORLD):
+        assert results[r]["global_step"] == 8 and results[r]["outer_steps"] == 2  # counters stay aligned
+        assert all(torch.isfinite(t).all() for t in results[r]["weights"].values())
+    # Replica 1's column (ranks 2, 3) skipped one optimizer step; replica 0's column took all 8.
+    assert results[0]["adam_steps"] == results[1]["adam_steps"] == [8]
+    assert results[2]["adam_steps"] == results[3]["adam_steps"] == [7]
+    assert results[0]["losses"][4] == reference[1][0]["losses"][4]  # before the fault, the same run
