@@ -317,7 +317,8 @@ class PipelineEngine:
         return f"rank {rank} (stage {rank % self.mesh.num_stages}, replica {rank // self.mesh.num_stages})"
 
     def _context(self, phase: str, m: int | None) -> str:
-        where = f"stage {self.mesh.stage} replica {self.mesh.replica}, step {self.step_index}, {phase}"
+        # Steps count from 1 in messages, as the Trainer's global_step does once the step is done.
+        where = f"stage {self.mesh.stage} replica {self.mesh.replica}, step {self.step_index + 1}, {phase}"
         return where if m is None else f"{where} of microbatch {m}"
 
 
