@@ -9,6 +9,7 @@ import torch
 from transformers import TrainingArguments
 
 from .gossip import OUTER_METHODS, resolve_outer_defaults, validate_outer_settings
+from .pipeline import SCHEDULES
 from .routing import ROUTING_GRANULARITIES
 
 OUTER_DTYPES = ("float32", "bfloat16")
@@ -35,6 +36,10 @@ class NoLoCoConfig(TrainingArguments):
             Rows per pipeline microbatch; must divide `per_device_train_batch_size`. `None` picks the largest
             divisor giving at least `2 * pipeline_stages` microbatches (1 if none does), which keeps the
             pipeline bubble small.
+        pipeline_schedule (`str`, *optional*, defaults to `"1f1b"`):
+            Order of forwards and backwards within a step: `"1f1b"` (a stage holds the activations of at most
+            `pipeline_stages - stage` microbatches) or `"gpipe"` (all forwards, then all backwards; holds every
+            microbatch). Both give the same gradients.
         p2p_timeout (`float`, *optional*, defaults to `300`):
             Seconds to wait for a peer's message before failing with an error that names it. It also bounds
             every collective of the training loop (the trainer sets its process groups' timeout to it), so a
@@ -93,6 +98,9 @@ class NoLoCoConfig(TrainingArguments):
     )
     microbatch_size: int | None = field(
         default=None, metadata={"help": "Rows per pipeline microbatch; None picks one for a small bubble."}
+    )
+    pipeline_schedule: str = field(
+        default="1f1b", metadata={"help": "Pipeline schedule.", "choices": list(SCHEDULES)}
     )
     p2p_timeout: float = field(default=300.0, metadata={"help": "Seconds to wait for a peer before failing."})
     nonfinite: str = field(
@@ -167,6 +175,8 @@ class NoLoCoConfig(TrainingArguments):
         positive_int("per_device_eval_batch_size")
         if self.routing not in ROUTING_GRANULARITIES:
             raise ValueError(f"Unknown routing {self.routing!r}: choose one of {', '.join(ROUTING_GRANULARITIES)}.")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {self.pipeline_schedule!r}.")
         if self.outer_dtype not in OUTER_DTYPES:
             raise ValueError(f"outer_dtype must be one of {', '.join(OUTER_DTYPES)}, got {self.outer_dtype!r}.")
         if self.nonfinite not in NONFINITE_ACTIONS:

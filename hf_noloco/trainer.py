@@ -103,7 +103,7 @@ class NoLoCoTrainer(Trainer):
         self.engine = PipelineEngine(
             self.model, self.mesh, Router(self.mesh.num_replicas, args.routing, args.routing_seed),
             args.resolved_microbatch_size(), p2p_timeout=args.p2p_timeout,
-            autocast=lambda: self.autocast_smart_context_manager(),
+            autocast=lambda: self.autocast_smart_context_manager(), schedule=args.pipeline_schedule,
         )
         self.outer: OuterOptimizer | None = None
         self.tokens_seen = 0
@@ -143,6 +143,10 @@ class NoLoCoTrainer(Trainer):
                 f"({self.mesh.num_replicas} replicas x per_device_train_batch_size="
                 f"{args.per_device_train_batch_size} = {needed}). Use more data or a smaller batch."
             )
+
+    def get_total_train_batch_size(self, args) -> int:
+        # The stages of a replica share its batch: the global batch counts replicas, not processes.
+        return args.per_device_train_batch_size * self.mesh.num_replicas
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:

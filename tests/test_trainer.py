@@ -1,5 +1,6 @@
 """NoLoCoTrainer end to end on real gloo processes: learning, wandb, export, push, resume, fine-tuning."""
 
+import json
 import os
 import re
 import subprocess
@@ -201,6 +202,16 @@ def _bad_trainer_inputs(folder):
         trainer.train()
     except ValueError as exc:
         errors["old_run"] = str(exc)
+    # A checkpoint of a 2-stage x 2-replica run cannot resume on a 1-stage x 1-replica mesh.
+    other = os.path.join(folder, "other", "checkpoint-4")
+    os.makedirs(other)
+    with open(os.path.join(other, "noloco_mesh.json"), "w") as f:
+        json.dump({"pipeline_stages": 2, "num_replicas": 2, "layer_ranges": [[0, 2], [2, 4]],
+                   "outer_optimizer": "noloco", "routing": "sample"}, f)
+    try:
+        trainer.train(resume_from_checkpoint=other)
+    except ValueError as exc:
+        errors["other_mesh"] = str(exc)
     return errors
 
 
@@ -210,6 +221,7 @@ def test_bad_trainer_inputs_fail_before_training(tmp_path):
     assert "5 samples, fewer than one batch per replica" in errors["too_small"]
     assert "hub_model_id" in errors["push_without_repo"]
     assert "already holds checkpoints" in errors["old_run"]
+    assert "saved with pipeline_stages=2, this run has 1" in errors["other_mesh"]
 
 
 @pytest.mark.parametrize(
