@@ -33,7 +33,7 @@ COLORS = {"fixed": "black", "sample": "tab:red", "step": "tab:orange"}
 SETTINGS = {
     "full": dict(
         model=common.FULL_MODEL, vocab_size=2048, block_size=64, global_batch=16, eval_batch=16, eval_blocks=128,
-        max_docs=None, dp=4, pp=2, max_steps=300, warmup_steps=30, lr=2e-3, log_every=10, eval_every=25,
+        max_docs=None, dp=4, pp=2, max_steps=160, warmup_steps=16, lr=2e-3, log_every=10, eval_every=20,
         seeds=[0, 1],
     ),
     "quick": dict(
