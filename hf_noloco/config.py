@@ -197,6 +197,8 @@ class NoLoCoConfig(TrainingArguments):
                 f"stage_boundaries must list the first layer of stages 1..{self.pipeline_stages - 1} "
                 f"({self.pipeline_stages - 1} numbers), got {self.stage_boundaries}."
             )
+        if self.fp16:
+            raise ValueError("fp16 is not supported (the pipeline has no loss scaling): use bf16=True instead.")
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 "gradient_accumulation_steps must be 1: the pipeline already accumulates over microbatches. "

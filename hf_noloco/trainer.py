@@ -103,7 +103,8 @@ class NoLoCoTrainer(Trainer):
         self.engine = PipelineEngine(
             self.model, self.mesh, Router(self.mesh.num_replicas, args.routing, args.routing_seed),
             args.resolved_microbatch_size(), p2p_timeout=args.p2p_timeout,
-            autocast=lambda: self.autocast_smart_context_manager(), schedule=args.pipeline_schedule,
+            # Accelerate's autocast: bf16 mixed precision when `bf16=True` (the Trainer's own helper is a no-op in v5).
+            autocast=lambda: self.accelerator.autocast(), schedule=args.pipeline_schedule,
         )
         self.outer: OuterOptimizer | None = None
         self.tokens_seen = 0
