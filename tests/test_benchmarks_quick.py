@@ -1,0 +1,35 @@
+"""The throughput benchmark's smoke mode runs end to end and writes the rows it promises."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.multiprocess
+def test_pipeline_throughput_quick(tmp_path):
+    output = tmp_path / "throughput.json"
+    script = os.path.join(ROOT, "benchmarks", "pipeline_throughput.py")
+    done = subprocess.run(
+        [sys.executable, script, "--quick", "--output", str(output)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(output.read_text())
+
+    sizes = [1, 2]
+    expected = ["reference"] + [f"pp2 dp1 mb{m}" for m in sizes]
+    expected += [f"pp2 dp2 mb{m} {routing}" for m in sizes for routing in ("fixed", "sample")]
+    assert [row["name"] for row in result["rows"]] == expected
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and row["efficiency"] > 0 and row["step_s"] > 0
+        assert row["processes"] == row["pp"] * row["dp"]
+    assert result["rows"][0]["efficiency"] == 1.0
+    assert set(result["summary"]["sample_vs_fixed_cost"]) == {"1", "2"}
+    assert all(e > 0 for e in result["summary"]["pp2_dp1_efficiency"].values())
+    assert result["machine"]["cores"] >= 1 and result["machine"]["torch"]
+    assert "reference" in done.stdout and "efficiency" in done.stdout  # the printed table
