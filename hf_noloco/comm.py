@@ -123,3 +123,18 @@ class PeerWatch:
         after = beats()
         return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]
                 and not self.store.check([f"{self._prefix}/failing/{r}"])]
+
+
+def consecutive_buckets(sizes: Sequence[int], limit: float) -> list[list[int]]:
+    """Indices of consecutive items grouped so that each group's total size stays within ``limit`` (an item
+    larger than ``limit`` gets a group of its own): one message per group instead of one per tensor."""
+    buckets, current, total = [], [], 0
+    for i, size in enumerate(sizes):
+        if current and total + size > limit:
+            buckets.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += size
+    if current:
+        buckets.append(current)
+    return buckets

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .comm import consecutive_buckets
+
 logger = logging.getLogger(__name__)
 
 MODEL_CARD_TEMPLATE = Path(__file__).parent / "model_cards" / "model_card.md"
@@ -94,17 +96,8 @@ def consensus_state_dict(stage: nn.Module, mesh, replica: int | None = None) -> 
 
 
 def _buckets(names: Sequence[str], state: Mapping[str, torch.Tensor]) -> list[list[str]]:
-    buckets, current, size = [], [], 0
-    for name in names:
-        n = state[name].numel()
-        if current and size + n > _BUCKET_NUMEL:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += n
-    if current:
-        buckets.append(current)
-    return buckets
+    groups = consecutive_buckets([state[name].numel() for name in names], _BUCKET_NUMEL)
+    return [[names[i] for i in group] for group in groups]
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hf_noloco.comm import PeerError, exchange, wait_sends
+from hf_noloco.comm import PeerError, consecutive_buckets, exchange, wait_sends
 from hf_noloco.gossip import (
     OUTER_STEP_METHODS,
     diloco_update_,
@@ -47,17 +47,7 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def _bucket(params: list[torch.Tensor], max_bytes: float) -> list[list[int]]:
     """Indices of consecutive parameters whose fp32 copies fit in ``max_bytes`` (a larger tensor: alone)."""
-    buckets, current, size = [], [], 0
-    for i, p in enumerate(params):
-        nbytes = p.numel() * 4
-        if current and size + nbytes > max_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+    return consecutive_buckets([p.numel() * 4 for p in params], max_bytes)
 
 
 def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
