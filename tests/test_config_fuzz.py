@@ -277,10 +277,11 @@ def test_the_command_exits_2_with_one_line_on_every_rank(workspace):
         assert "Traceback" not in err and "site-packages/torch" not in err, (key, err[-2000:])
     assert "per_device_train_batch_size" in outputs["type"][1] and "not valid YAML" in outputs["yaml"][1]
 
-    # 2 ranks of pp=2: one replica, so export_replica=1 is out of range. Each rank says so and exits;
-    # the launcher ends with a failure (its own report may name the exit codes), and no worker traceback.
+    # 2 ranks of pp=2: one replica, so export_replica=1 is out of range. Each rank says so and exits; the
+    # launcher ends with a failure (its own report may name the exit codes), and no worker traceback. Once the
+    # first rank has exited, torchrun may stop the other before it prints: at least one rank's line must show.
     _out, err, code = outputs["launch"]
     assert code != 0
-    for rank in range(2):
-        assert f"error (rank {rank} of 2): export_replica must be in [0, 1), got 1." in err, err[-3000:]
+    said = [r for r in range(2) if f"error (rank {r} of 2): export_replica must be in [0, 1), got 1." in err]
+    assert said, err[-3000:]
     assert 'hf_noloco/cli.py", line' not in err and 'hf_noloco/config.py", line' not in err, err[-3000:]
