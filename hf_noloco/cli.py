@@ -204,7 +204,7 @@ def _check_values(v) -> None:
             raise ConfigError(
                 f"tokenizer_vocab_size must be at least 259 for a byte-level BPE tokenizer, got {v.tokenizer_vocab_size}."
             )
-        _check_model_config(v.model_config, v.pipeline_stages, v.stage_boundaries)
+        _check_model_config(v.model_config, v.pipeline_stages, v.stage_boundaries, v.stage_balance)
 
 
 def _check_report_to(report_to: str | None) -> None:
@@ -243,7 +243,9 @@ _MODEL_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
                 "num_key_value_heads", "max_position_embeddings", "head_dim")
 
 
-def _check_model_config(spec: str, pipeline_stages: int, stage_boundaries: list[int] | None) -> None:
+def _check_model_config(
+    spec: str, pipeline_stages: int, stage_boundaries: list[int] | None, stage_balance: str = "layers"
+) -> None:
     """Builds the model on the meta device (no memory) and splits it as the trainer will: an unknown
     model_type, impossible sizes, a non-Llama architecture, stage boundaries outside the layers or tied
     embeddings over several stages all fail here, naming the setting."""
@@ -280,7 +282,7 @@ def _check_model_config(spec: str, pipeline_stages: int, stage_boundaries: list[
         raise ConfigError(f"model_config: {str(exc).splitlines()[0]}") from None
     check_llama_layout(model)
     if pipeline_stages >= 1:  # otherwise NoLoCoConfig names the problem
-        split_model(model, 0, pipeline_stages, stage_boundaries)
+        split_model(model, 0, pipeline_stages, stage_boundaries, stage_balance)
 
 
 def _model_config(model_args: ModelArguments, tokenizer):

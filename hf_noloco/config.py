@@ -9,6 +9,7 @@ import torch
 from transformers import TrainingArguments
 
 from .gossip import OUTER_METHODS, resolve_outer_defaults, validate_outer_settings
+from .partition import STAGE_BALANCES
 from .pipeline import SCHEDULES
 from .routing import ROUTING_GRANULARITIES
 
@@ -31,7 +32,14 @@ class NoLoCoConfig(TrainingArguments):
             be a multiple of it; the quotient is the number of replicas per stage.
         stage_boundaries (`list[int]` or `None`, *optional*, defaults to `None`):
             First decoder layer of stages 1..pipeline_stages-1 (e.g. `[4, 7]` splits 10 layers 4/3/3). `None`
-            splits as evenly as possible, earlier stages taking the remainder.
+            splits as `stage_balance` says.
+        stage_balance (`str`, *optional*, defaults to `"layers"`):
+            How stages are split without `stage_boundaries`: `"layers"` gives each stage the same number of
+            decoder layers (earlier stages take the remainder: 10 layers over 3 stages is 4/3/3); `"compute"`
+            balances the stages' estimated compute, counting the last stage's `lm_head` (parameter counts:
+            multiply-adds per token). The slowest stage sets the pipeline's pace, and `lm_head` costs about
+            `vocab_size / (12 * hidden_size)` decoder layers (1.3 for a 4096-word vocabulary at hidden size 256,
+            2.4 for Llama-3-8B), so `"compute"` is usually faster; it moves layers off the last stage.
         microbatch_size (`int` or `None`, *optional*, defaults to `None`):
             Rows per pipeline microbatch; must divide `per_device_train_batch_size`. `None` picks the largest
             divisor giving at least `2 * pipeline_stages` microbatches (1 if none does), which keeps the
@@ -95,6 +103,10 @@ class NoLoCoConfig(TrainingArguments):
     pipeline_stages: int = field(default=1, metadata={"help": "Number of pipeline stages."})
     stage_boundaries: list[int] | None = field(
         default=None, metadata={"help": "First decoder layer of stages 1..pipeline_stages-1; None splits evenly."}
+    )
+    stage_balance: str = field(
+        default="layers", metadata={"help": "Split without stage_boundaries: equal layers, or balanced compute.",
+                                    "choices": list(STAGE_BALANCES)}
     )
     microbatch_size: int | None = field(
         default=None, metadata={"help": "Rows per pipeline microbatch; None picks one for a small bubble."}
@@ -196,6 +208,13 @@ class NoLoCoConfig(TrainingArguments):
             raise ValueError(
                 f"stage_boundaries must list the first layer of stages 1..{self.pipeline_stages - 1} "
                 f"({self.pipeline_stages - 1} numbers), got {self.stage_boundaries}."
+            )
+        if self.stage_balance not in STAGE_BALANCES:
+            raise ValueError(f"stage_balance must be one of {', '.join(STAGE_BALANCES)}, got {self.stage_balance!r}.")
+        if self.stage_boundaries is not None and self.stage_balance != "layers":
+            raise ValueError(
+                f"stage_boundaries={self.stage_boundaries} and stage_balance={self.stage_balance!r} both choose the "
+                "split: set only one."
             )
         if self.fp16:
             raise ValueError("fp16 is not supported (the pipeline has no loss scaling): use bf16=True instead.")

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 IGNORE_INDEX = -100
+STAGE_BALANCES = ("layers", "compute")
 
 EXPECTED_LAYOUT = (
     "a Llama-family *ForCausalLM with `model.embed_tokens`, `model.layers` (a ModuleList of decoder "
@@ -84,6 +85,56 @@ def stage_layer_ranges(
             )
     ends = starts[1:] + [num_layers]
     return list(zip(starts, ends))
+
+
+def compute_balanced_boundaries(layer_costs: Sequence[int], num_stages: int, last_stage_cost: int = 0) -> list[int]:
+    """First layer of stages 1..num_stages-1 that make the costliest stage as cheap as possible.
+
+    ``layer_costs`` are the decoder layers' costs, ``last_stage_cost`` what the last stage does besides its
+    layers (lm_head and the loss). Among the splits with the smallest maximum, the one with the smallest sum of
+    squared stage costs wins (the most even), then the one whose earlier stages hold more layers, so with
+    equal layers and no extra cost this is the even split of :func:`stage_layer_ranges`. Integer costs keep
+    the comparisons exact.
+    """
+    num_layers = len(layer_costs)
+    stage_layer_ranges(num_layers, num_stages)  # validates the counts
+    prefix = [0]
+    for cost in layer_costs:
+        prefix.append(prefix[-1] + cost)
+
+    def cost(stage: int, start: int, end: int) -> int:
+        return prefix[end] - prefix[start] + (last_stage_cost if stage == num_stages - 1 else 0)
+
+    def best_split(score, combine):
+        # best[s][i]: the best score of layers[:i] over stages 0..s-1; start[s][i]: where stage s-1 starts
+        best = [[None] * (num_layers + 1) for _ in range(num_stages + 1)]
+        start = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
+        best[0][0] = 0
+        for s in range(1, num_stages + 1):
+            for i in range(s, num_layers - (num_stages - s) + 1):
+                for j in range(s - 1, i):  # ascending with <=: ties go to the latest start
+                    if best[s - 1][j] is None or score(s - 1, j, i) is None:
+                        continue
+                    value = combine(best[s - 1][j], score(s - 1, j, i))
+                    if best[s][i] is None or value <= best[s][i]:
+                        best[s][i], start[s][i] = value, j
+        boundaries, end = [], num_layers
+        for s in range(num_stages, 1, -1):
+            end = start[s][end]
+            boundaries.append(end)
+        return best[num_stages][num_layers], boundaries[::-1]
+
+    smallest_max, _ = best_split(cost, max)
+    within = lambda s, a, b: cost(s, a, b) ** 2 if cost(s, a, b) <= smallest_max else None  # noqa: E731
+    return best_split(within, lambda a, b: a + b)[1]
+
+
+def stage_compute_costs(model: nn.Module) -> tuple[list[int], int]:
+    """Multiply-adds per token of each decoder layer and of ``lm_head``: their parameter counts, since a
+    dense layer uses each weight once per token. Attention scores, norms and the loss are left out: they are
+    small next to the matrix multiplies at the sizes where pipelines pay. Works on the meta device."""
+    layer_costs = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    return layer_costs, model.lm_head.weight.numel()
 
 
 def _tied_embeddings(config: PretrainedConfig) -> bool:
@@ -183,9 +234,14 @@ def split_model(
     stage_index: int,
     num_stages: int,
     stage_boundaries: Sequence[int] | None = None,
+    stage_balance: str = "layers",
 ) -> PipelineStage:
     """The stage ``stage_index`` of ``model``, sharing its modules (no copy). ``model`` may live on the meta
-    device; see :func:`build_stage` for materialising only the stage."""
+    device; see :func:`build_stage` for materialising only the stage.
+
+    Without ``stage_boundaries``, ``stage_balance`` chooses the split: ``"layers"`` gives every stage the same
+    number of decoder layers, ``"compute"`` balances their estimated compute, counting ``lm_head`` on the last
+    stage (:func:`compute_balanced_boundaries`)."""
     check_llama_layout(model)
     config = model.config
     if num_stages > 1 and _tied_embeddings(config):
@@ -196,12 +252,17 @@ def split_model(
             "`tie_word_embeddings=False` (lm_head then starts as a copy of the embeddings)."
         )
     layers = model.model.layers
+    if stage_balance not in STAGE_BALANCES:
+        raise ValueError(f"stage_balance must be one of {', '.join(STAGE_BALANCES)}, got {stage_balance!r}.")
+    if stage_boundaries is None and stage_balance == "compute":
+        layer_costs, head_cost = stage_compute_costs(model)
+        stage_boundaries = compute_balanced_boundaries(layer_costs, num_stages, head_cost)
     ranges = stage_layer_ranges(len(layers), num_stages, stage_boundaries)
     if not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}.")
     start, end = ranges[stage_index]
     first, last = stage_index == 0, stage_index == num_stages - 1
-    return PipelineStage(
+    stage = PipelineStage(
         config,
         stage_index,
         num_stages,
@@ -212,6 +273,8 @@ def split_model(
         norm=model.model.norm if last else None,
         lm_head=model.lm_head if last else None,
     )
+    stage.all_layer_ranges = ranges  # every stage's layers: what a checkpoint must be resumed with
+    return stage
 
 
 def build_stage(
@@ -222,13 +285,14 @@ def build_stage(
     checkpoint: str | os.PathLike | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    stage_balance: str = "layers",
 ) -> PipelineStage:
     """Builds one stage without ever holding the full model: the model is built on the meta device, the
     stage is materialised on ``device``, then filled from ``checkpoint`` (a folder of safetensors files)
     or initialised as ``from_config`` would."""
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    stage = split_model(meta_model, stage_index, num_stages, stage_boundaries)
+    stage = split_model(meta_model, stage_index, num_stages, stage_boundaries, stage_balance)
     stage.to_empty(device=device)
     # Rotary buffers are computed, not stored: rebuild them on the real device.
     with torch.device(device):

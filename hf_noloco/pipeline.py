@@ -165,10 +165,11 @@ class PipelineEngine:
             with self.autocast():
                 y = self.stage(x, attention_mask=attention_mask, position_ids=position_ids)
             if self.stage.is_last:
+                # (rows * tokens, vocab) rows: three times faster on CPU than the class dimension in the middle
                 token_losses = F.cross_entropy(
-                    y.float().transpose(1, 2), F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:],
+                    y.float().flatten(0, 1), F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].flatten(),
                     ignore_index=IGNORE_INDEX, reduction="none",
-                )
+                ).view(y.shape[:2])
                 target_tokens += (labels[:, 1:] != IGNORE_INDEX).sum()
                 if training:  # a sample's weight is 1 / (target tokens of the batch it came from)
                     y = (token_losses.sum(1) / mb_meta[:, 1].clamp(min=1)).sum()

@@ -120,7 +120,7 @@ class NoLoCoTrainer(Trainer):
     def _build_stage(self, model, args: NoLoCoConfig) -> nn.Module:
         mesh = self.mesh
         if isinstance(model, PreTrainedModel):
-            stage = split_model(model, mesh.stage, mesh.num_stages, args.stage_boundaries)
+            stage = split_model(model, mesh.stage, mesh.num_stages, args.stage_boundaries, args.stage_balance)
             return stage.to(args.device)
         if isinstance(model, str):
             checkpoint = resolve_checkpoint(model)
@@ -132,7 +132,8 @@ class NoLoCoTrainer(Trainer):
             raise TypeError(
                 f"model must be a Hub id or folder, a PretrainedConfig or a PreTrainedModel, got {type(model).__name__}."
             )
-        return build_stage(config, mesh.stage, mesh.num_stages, args.stage_boundaries, checkpoint, args.device)
+        return build_stage(config, mesh.stage, mesh.num_stages, args.stage_boundaries, checkpoint, args.device,
+                           stage_balance=args.stage_balance)
 
     def _check_dataset_size(self, dataset, args: NoLoCoConfig) -> None:
         if dataset is None or not hasattr(dataset, "__len__"):
@@ -409,9 +410,7 @@ class NoLoCoTrainer(Trainer):
         }
 
     def _all_layer_ranges(self):
-        from .partition import stage_layer_ranges
-
-        return stage_layer_ranges(self.model.config.num_hidden_layers, self.mesh.num_stages, self.args.stage_boundaries)
+        return [list(r) for r in self.model.all_layer_ranges]
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         with open(os.path.join(resume_from_checkpoint, MESH_FILE)) as f:
@@ -421,7 +420,7 @@ class NoLoCoTrainer(Trainer):
             if saved[key] != json.loads(json.dumps(mine[key])):
                 raise ValueError(
                     f"Cannot resume {resume_from_checkpoint}: it was saved with {key}={saved[key]}, this run has "
-                    f"{mine[key]}. Resume with the same pipeline_stages, number of processes, stage_boundaries "
+                    f"{mine[key]}. Resume with the same pipeline_stages, number of processes, stage split "
                     "and outer_optimizer."
                 )
         rank_dir = self._rank_dir(resume_from_checkpoint)

@@ -103,6 +103,7 @@ CASES = [
     ("unknown strategy", "cli", ["--eval_strategy", "sometimes"], ["eval_strategy", "'sometimes'"]),
     ("unknown report_to", "cli", ["--report_to", "foo"], ["report_to", "'foo'"]),
     ("yaml routing number", "yaml", {"routing": 3}, ["routing", "'3'"]),
+    ("unknown stage balance", "cli", ["--stage_balance", "flops"], ["stage_balance", "'flops'"]),
     ("unknown model_type", "yaml", {"model_config": {**TINY_MODEL, "model_type": "nonsense"}}, ["model_type", "nonsense"]),
     ("not llama family", "yaml", {"model_config": {"model_type": "gpt2", "n_layer": 2}}, ["GPT2LMHeadModel", "Llama-family"]),
     ("unknown option", "cli", ["--no_such_option", "3"], ["no_such_option"]),
@@ -135,6 +136,8 @@ CASES = [
      ["pipeline_stages=4", "decoder layers"]),
     ("boundaries count", "launched", ["--stage_boundaries", "1", "2"], ["stage_boundaries", "[1, 2]"]),
     ("boundaries out of range", "launched", ["--stage_boundaries", "9"], ["stage_boundaries", "[9]"]),
+    ("boundaries and balance", "launched", ["--stage_boundaries", "1", "--stage_balance", "compute"],
+     ["stage_boundaries=[1]", "stage_balance='compute'", "only one"]),
     ("tied embeddings over stages", "launched_yaml", {"model_config": {**TINY_MODEL, "tie_word_embeddings": True}},
      ["tie_word_embeddings", "pipeline_stages=2"]),
     # malformed files

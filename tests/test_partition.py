@@ -1,14 +1,19 @@
 """Splitting a model into stages: the stages composed in one process are the unsplit model."""
 
+import itertools
+import random
+
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hf_noloco.partition import (
     build_stage,
     causal_lm_loss_sum,
+    compute_balanced_boundaries,
     load_stage_weights,
     split_model,
+    stage_compute_costs,
     stage_layer_ranges,
 )
 from tiny_models import make_batch, tiny_config, tiny_model
@@ -18,6 +23,62 @@ def test_even_split_gives_earlier_stages_the_remainder():
     assert stage_layer_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert stage_layer_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert stage_layer_ranges(6, 2, [1]) == [(0, 1), (1, 6)]
+
+
+def _stage_costs(costs, boundaries, last_stage_cost):
+    starts = [0, *boundaries]
+    ends = [*boundaries, len(costs)]
+    return [sum(costs[a:b]) + (last_stage_cost if s == len(starts) - 1 else 0) for s, (a, b) in enumerate(zip(starts, ends))]
+
+
+def test_compute_balance_without_extra_cost_is_the_even_split():
+    for layers in range(1, 13):
+        for stages in range(1, layers + 1):
+            even = [start for start, _ in stage_layer_ranges(layers, stages)][1:]
+            assert compute_balanced_boundaries([7] * layers, stages) == even, (layers, stages)
+
+
+def test_compute_balance_minimises_the_costliest_stage():
+    # Against every possible split, enumerated: the smallest maximum, and among those the most even.
+    rng = random.Random(0)
+    for _ in range(200):
+        layers = rng.randint(1, 8)
+        stages = rng.randint(1, layers)
+        costs = [rng.randint(1, 20) for _ in range(layers)]
+        extra = rng.randint(0, 40)
+        splits = [list(b) for b in itertools.combinations(range(1, layers), stages - 1)]
+        best = min((max(_stage_costs(costs, b, extra)), sum(c * c for c in _stage_costs(costs, b, extra)))
+                   for b in splits)
+        got = compute_balanced_boundaries(costs, stages, extra)
+        assert got in splits
+        assert (max(_stage_costs(costs, got, extra)), sum(c * c for c in _stage_costs(costs, got, extra))) == best
+
+
+def test_compute_balance_moves_layers_off_the_last_stage():
+    # 4 layers and an lm_head worth 1.3 layers (vocab 4096, hidden 256): 3/1, not 2/2.
+    assert compute_balanced_boundaries([791040] * 4, 2, 1048576) == [3]
+    # Llama-3-8B's proportions (layer 218M, lm_head 525M parameters) over 4 stages: 9/9/8/6.
+    assert compute_balanced_boundaries([218] * 32, 4, 525) == [9, 18, 26]
+
+
+def test_stage_compute_costs_count_each_layers_and_the_heads_weights():
+    model = tiny_model("llama", 3)
+    layer_costs, head_cost = stage_compute_costs(model)
+    assert layer_costs == [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert head_cost == model.config.vocab_size * model.config.hidden_size
+
+
+def test_split_model_with_compute_balance():
+    config = tiny_config("llama", 4)
+    config.vocab_size = 1024  # lm_head: 32768 weights, 3.5 layers of 9280: the last stage keeps one layer
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    stages = [split_model(model, s, 2, stage_balance="compute") for s in range(2)]
+    assert [stage.layer_range for stage in stages] == stages[0].all_layer_ranges == [(0, 3), (3, 4)]
+    assert split_model(model, 0, 2).all_layer_ranges == [(0, 2), (2, 4)]
+    assert split_model(model, 0, 2, [1], stage_balance="compute").all_layer_ranges == [(0, 1), (1, 4)]
+    with pytest.raises(ValueError, match="stage_balance must be one of layers, compute"):
+        split_model(model, 0, 2, stage_balance="flops")
 
 
 @pytest.mark.parametrize(

@@ -31,8 +31,8 @@ def byte_corpus(blocks: int, offset: int = 0) -> Dataset:
     return Dataset.from_dict({"input_ids": rows, "labels": rows})
 
 
-def byte_config(layers=4):
-    return LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+def byte_config(layers=4, vocab_size=256):
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        tie_word_embeddings=False)
 
@@ -121,12 +121,18 @@ def _straight_then_resumed(out):
     for resume in (None, os.path.join(out, "checkpoint-6")):
         args = make_args(out, max_steps=12, logging_steps=1, eval_strategy="no", save_strategy="steps", save_steps=6,
                          inner_steps=4, outer_optimizer="noloco", routing="sample", lr_scheduler_type="cosine",
-                         warmup_steps=2)
-        trainer = NoLoCoTrainer(byte_config(), args, train_dataset=data)
+                         warmup_steps=2, stage_balance="compute")
+        # A 1024-word lm_head weighs 2.4 layers: the compute-balanced split is 3/1, not 2/2.
+        trainer = NoLoCoTrainer(byte_config(vocab_size=1024), args, train_dataset=data)
+        assert trainer.model.all_layer_ranges == [(0, 3), (3, 4)]
         trainer.train(resume_from_checkpoint=resume)
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         runs.append((losses, {k: v.clone() for k, v in trainer.model.state_dict().items()},
                      trainer.outer.outer_step_count))
+    args = make_args(out, max_steps=12, inner_steps=4, eval_strategy="no")  # even split: cannot resume 3/1
+    with pytest.raises(ValueError, match=r"layer_ranges=\[\[0, 3\], \[3, 4\]\]"):
+        NoLoCoTrainer(byte_config(vocab_size=1024), args, train_dataset=data).train(
+            resume_from_checkpoint=os.path.join(out, "checkpoint-6"))
     trainer.end()
     return runs
 
