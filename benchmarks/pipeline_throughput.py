@@ -4,19 +4,26 @@ One training step = forward + backward of a per-replica batch + the inner AdamW 
 in one run, every process with one thread:
 
     reference       the unsplit model in one process (plain transformers forward with labels)
-    pp=2 x dp=1     two stages, for each microbatch size
+    pp=2 x dp=1     two stages, for each microbatch size; split 4/4 (stage_balance="layers", the default)
+                    and 5/3 (stage_balance="compute": the last stage also carries lm_head, 1.8 layers' worth)
     pp=2 x dp=2     four processes, `sample` vs `fixed` routing, for each microbatch size
 
 tokens/s counts the tokens of all replicas;
 efficiency = tokens/s / (min(processes, cores) * reference tokens/s).
-Each configuration runs in fresh processes (forked by hf_noloco.local_launch); configurations are run in
-turn, `--repeats` times. Every timed step sits between two barriers. On a shared machine other programs
-only ever slow a step down, so the headline tokens/s is the fastest step over all repeats among the steps
-during which other programs used under `quiet_cores` of CPU (measured from /proc/stat); the median is
-recorded too.
 
-    python benchmarks/pipeline_throughput.py            # full: a small Llama, a few minutes
-    python benchmarks/pipeline_throughput.py --quick    # smoke: a tiny model, seconds; checks the output
+How it fights noise (a shared machine whose CPUs also change speed by up to +-20% within a minute):
+four processes are started once and hold every configuration. A round times one step of each
+configuration in turn, each step between two barriers over all four processes (the ranks a configuration
+does not use wait in the barrier, idle); the order is reversed every other round, and `sample`/`fixed`
+twins are timed next to each other. A ratio (an efficiency, the cost of `sample` routing) is computed
+within each round, from steps a few seconds apart, and the median over rounds is reported. Other programs
+are measured, not guessed: a step's foreign load is the machine's busy CPU time (/proc/stat) minus our
+processes' CPU time, over the step's wall time, in cores. Only quiet rounds (every step under
+`quiet_cores` of foreign load) count, when there are at least three of them.
+
+    python benchmarks/pipeline_throughput.py                  # full: a 5M-parameter Llama, about 6 minutes
+    python benchmarks/pipeline_throughput.py --max-load 1.5   # the same, once the machine is quiet
+    python benchmarks/pipeline_throughput.py --quick          # smoke: a tiny model; checks the output
 """
 
 from __future__ import annotations
@@ -42,19 +49,21 @@ from hf_noloco.pipeline import PipelineEngine
 from hf_noloco.routing import Router
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline_throughput.json")
+WORLD = 4  # processes started: enough for pp=2 x dp=2; smaller configurations leave ranks idle
 
-# model; per-replica rows; seq_len; microbatch sizes; warmup and timed steps per run; alternated repeats;
-# the foreign load (cores used by other programs) under which a step counts as quiet
+# model; per-replica rows of seq_len tokens; microbatch sizes; untimed and timed rounds; the foreign load
+# (cores busy with other programs) under which a step counts as quiet
 SETTINGS = {
     "full": dict(
-        model=dict(hidden_size=256, num_hidden_layers=4, intermediate_size=688, num_attention_heads=4,
+        # 8 layers, not 4 of a wider model: with 2 layers per stage no split could balance lm_head's share
+        model=dict(hidden_size=192, num_hidden_layers=8, intermediate_size=512, num_attention_heads=4,
                    num_key_value_heads=4, vocab_size=4096),
-        rows=8, seq_len=256, microbatch_sizes=[1, 2, 4], warmup=1, steps=4, repeats=3, quiet_cores=0.25,
+        rows=8, seq_len=256, microbatch_sizes=[1, 2, 4], warmup_rounds=1, rounds=16, quiet_cores=0.25,
     ),
     "quick": dict(
         model=dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=4, vocab_size=512),
-        rows=4, seq_len=64, microbatch_sizes=[1, 2], warmup=1, steps=2, repeats=1, quiet_cores=0.25,
+        rows=4, seq_len=64, microbatch_sizes=[1, 2], warmup_rounds=1, rounds=2, quiet_cores=0.25,
     ),
 }
 
@@ -70,67 +79,17 @@ def llama_config(model: dict, seq_len: int) -> LlamaConfig:
 
 
 def configurations(microbatch_sizes: list[int]) -> list[dict]:
-    """Every configuration measured, in the order they are run (and printed)."""
-    runs = [dict(name="reference", pp=1, dp=1, routing=None, microbatch_size=None)]
+    """Every configuration measured, in the order of a round (and of the table)."""
+    runs = [dict(name="reference", pp=1, dp=1, routing=None, microbatch_size=None, balance=None)]
     for m in microbatch_sizes:
-        runs.append(dict(name=f"pp2 dp1 mb{m}", pp=2, dp=1, routing="sample", microbatch_size=m))
+        for balance, suffix in (("layers", ""), ("compute", " compute")):
+            runs.append(dict(name=f"pp2 dp1 mb{m}{suffix}", pp=2, dp=1, routing="sample", microbatch_size=m,
+                             balance=balance))
     for m in microbatch_sizes:
         for routing in ("fixed", "sample"):
-            runs.append(dict(name=f"pp2 dp2 mb{m} {routing}", pp=2, dp=2, routing=routing, microbatch_size=m))
+            runs.append(dict(name=f"pp2 dp2 mb{m} {routing}", pp=2, dp=2, routing=routing, microbatch_size=m,
+                             balance="layers"))
     return runs
-
-
-# ------------------------------------------------------------------------------------ one rank's work
-
-
-def _train(run: dict, setting: dict) -> dict:
-    """On each rank: build the model (same seed everywhere), train `warmup` steps, then time `steps` steps,
-    each between two barriers. Returns this rank's step times and last loss."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(setting["model"], setting["seq_len"]))
-    rows, seq_len = setting["rows"], setting["seq_len"]
-    rank = dist.get_rank()
-    replica = rank // run["pp"]
-    g = torch.Generator().manual_seed(1000 + replica)  # each replica its own data shard
-    input_ids = torch.randint(0, model.config.vocab_size, (rows, seq_len), generator=g)
-
-    if run["name"] == "reference":
-        params = model.parameters()
-
-        def forward_backward():
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-            loss.backward()
-            return loss
-    else:
-        mesh = PipelineMesh.build(run["pp"])
-        stage = split_model(model, mesh.stage, run["pp"], setting["stage_boundaries"])
-        del model  # the stage keeps its own modules
-        router = Router(mesh.num_replicas, run["routing"], seed=0)
-        engine = PipelineEngine(stage, mesh, router, run["microbatch_size"])
-        params = stage.parameters()
-        batch = {"input_ids": input_ids}
-
-        def forward_backward():
-            return engine.train_step(batch).loss
-
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward()
-        optimizer.step()
-        return None if loss is None else loss.detach()
-
-    for _ in range(setting["warmup"]):
-        step()
-    steps = []  # (wall seconds, this process's CPU seconds, the machine's busy CPU seconds) per step
-    for _ in range(setting["steps"]):
-        dist.barrier()
-        start, cpu, busy = time.perf_counter(), time.process_time(), machine_busy_seconds()
-        loss = step()
-        dist.barrier()
-        steps.append((time.perf_counter() - start, time.process_time() - cpu, machine_busy_seconds() - busy))
-    return dict(steps=steps, loss=None if loss is None else loss.item())
 
 
 def machine_busy_seconds() -> float:
@@ -140,72 +99,156 @@ def machine_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+# ------------------------------------------------------------------------------------ one rank's work
+
+
+def _bench(setting: dict) -> dict:
+    """On each of the WORLD ranks: build every configuration this rank takes part in, then run the rounds.
+    Returns, per configuration, this rank's (wall s, own CPU s, machine busy CPU s) for each timed step."""
+    rank = dist.get_rank()
+    config = llama_config(setting["model"], setting["seq_len"])
+
+    def batch_of(replica):  # each replica its own data shard
+        g = torch.Generator().manual_seed(1000 + replica)
+        shape = (setting["rows"], setting["seq_len"])
+        return {"input_ids": torch.randint(0, config.vocab_size, shape, generator=g)}
+
+    # Rank r is stage r % 2 of every pipeline configuration; one stage (and optimizer) per split, shared by
+    # the configurations that use it.
+    stages = {}
+    for balance in ("layers", "compute"):
+        torch.manual_seed(0)
+        stage = split_model(LlamaForCausalLM(config), rank % 2, 2, stage_balance=balance)
+        stages[balance] = (stage, torch.optim.AdamW(stage.parameters(), lr=1e-5))
+    pair = dist.new_group([0, 1])  # collective: every rank creates it
+    meshes = {  # by dp; PipelineMesh.build spans the whole world: pp2 x dp1 on ranks 0, 1 is made by hand
+        1: PipelineMesh(rank=rank, world_size=2, num_stages=2, num_replicas=1, replica_group=None,
+                        column_group=pair, device=torch.device("cpu")) if rank < 2 else None,
+        2: PipelineMesh.build(2),
+    }
+
+    steps = {}  # name: this rank's part of one training step, or None where the rank idles
+    for run in configurations(setting["microbatch_sizes"]):
+        mesh = meshes.get(run["dp"])
+        if run["name"] == "reference":
+            steps[run["name"]] = _reference_step(config, batch_of(0)) if rank == 0 else None
+        elif mesh is not None:
+            stage, optimizer = stages[run["balance"]]
+            router = Router(run["dp"], run["routing"], seed=0)
+            engine = PipelineEngine(stage, mesh, router, run["microbatch_size"])
+            steps[run["name"]] = _pipeline_step(engine, optimizer, batch_of(mesh.replica))
+        else:
+            steps[run["name"]] = None
+
+    names = list(steps)
+    records = {name: [] for name in names}
+    for round_index in range(setting["warmup_rounds"] + setting["rounds"]):
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            dist.barrier()
+            start, cpu, busy = time.perf_counter(), time.process_time(), machine_busy_seconds()
+            loss = steps[name]() if steps[name] is not None else None
+            dist.barrier()
+            record = (time.perf_counter() - start, time.process_time() - cpu, machine_busy_seconds() - busy)
+            if round_index >= setting["warmup_rounds"]:
+                records[name].append(record)
+            if loss is not None and not math.isfinite(loss):
+                raise FloatingPointError(f"{name}: the loss is {loss}")
+    return records
+
+
+def _reference_step(config, batch):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    return step
+
+
+def _pipeline_step(engine, optimizer, batch):
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = engine.train_step(batch).loss  # set on the last stage only
+        optimizer.step()
+        return None if loss is None else loss.item()
+
+    return step
+
+
 # ------------------------------------------------------------------------------------------- driver
 
 
-def measure(setting: dict, runs: list[dict]) -> list[dict]:
-    """Runs every configuration `repeats` times, in turn (rotating the order), in fresh processes.
+def measure(setting: dict) -> tuple[list[dict], dict]:
+    runs = configurations(setting["microbatch_sizes"])
+    per_rank = run_distributed(_bench, WORLD, setting, timeout_s=300.0)
+    rounds = setting["rounds"]
+    wall = {run["name"]: [max(r[run["name"]][i][0] for r in per_rank) for i in range(rounds)] for run in runs}
+    cpu = {run["name"]: [sum(r[run["name"]][i][1] for r in per_rank) for i in range(rounds)] for run in runs}
+    foreign = {  # cores other programs kept busy during the step
+        name: [max(0.0, per_rank[0][name][i][2] - cpu[name][i]) / wall[name][i] for i in range(rounds)]
+        for name in wall
+    }
+    quiet_rounds = [i for i in range(rounds) if all(f[i] < setting["quiet_cores"] for f in foreign.values())]
+    kept = quiet_rounds if len(quiet_rounds) >= 3 else list(range(rounds))
 
-    A step's time is the slowest rank's. Other programs on the machine are measured, not guessed: a step's
-    foreign load is the machine's busy CPU time minus our ranks' CPU time, over the step's wall time (in
-    cores). Steps with a foreign load under `quiet_cores` are quiet; a configuration's tokens/s comes from
-    its fastest quiet step (from its fastest step if none was quiet), and the median is recorded too."""
-    steps = {run["name"]: [] for run in runs}  # (wall s, foreign cores) per timed step
-    losses = {}
-    for repeat in range(setting["repeats"]):
-        shift = repeat % len(runs)
-        for run in runs[shift:] + runs[:shift]:
-            per_rank = run_distributed(_train, run["pp"] * run["dp"], run, setting, timeout_s=300.0)
-            for ranks in zip(*(r["steps"] for r in per_rank)):
-                wall = max(w for w, _, _ in ranks)
-                foreign = max(0.0, ranks[0][2] - sum(c for _, c, _ in ranks)) / wall
-                steps[run["name"]].append((wall, foreign))
-            losses[run["name"]] = [r["loss"] for r in per_rank if r["loss"] is not None]
-            recent = steps[run["name"]][-setting["steps"]:]
-            print(f"  repeat {repeat + 1}/{setting['repeats']}  {run['name']:<22} step s (foreign cores) "
-                  + " ".join(f"{w:.3f} ({f:.1f})" for w, f in recent), file=sys.stderr, flush=True)
-
-    rows, reference = [], None
+    tokens = {run["name"]: setting["rows"] * setting["seq_len"] * run["dp"] for run in runs}  # per step
+    tps = {name: [tokens[name] / wall[name][i] for i in kept] for name in wall}
+    reference = tps["reference"]
+    rows = []
     for run in runs:
-        tokens = setting["rows"] * setting["seq_len"] * run["dp"]  # per step, all replicas
-        processes = run["pp"] * run["dp"]
-        quiet = [w for w, f in steps[run["name"]] if f < setting["quiet_cores"]]
-        times = quiet or [w for w, _ in steps[run["name"]]]
-        row = dict(
-            **run, processes=processes, tokens_per_step=tokens, step_s=min(times),
-            step_s_median=statistics.median(times), quiet_steps=len(quiet), steps=len(steps[run["name"]]),
-            foreign_cores_mean=statistics.mean(f for _, f in steps[run["name"]]),
-            tokens_per_s=tokens / min(times), tokens_per_s_median=tokens / statistics.median(times),
-            steps_all=steps[run["name"]], last_losses=losses[run["name"]],
-        )
-        reference = reference or row
-        row["efficiency"] = row["tokens_per_s"] / (min(processes, cores()) * reference["tokens_per_s"])
-        row["efficiency_median"] = row["tokens_per_s_median"] / (
-            min(processes, cores()) * reference["tokens_per_s_median"])
-        rows.append(row)
-    return rows
+        name, processes = run["name"], run["pp"] * run["dp"]
+        efficiency = [t / (min(processes, cores()) * r) for t, r in zip(tps[name], reference)]
+        rows.append(dict(
+            **run, processes=processes, tokens_per_step=tokens[name],
+            step_s_median=statistics.median(wall[name][i] for i in kept), step_s_min=min(wall[name]),
+            tokens_per_s=statistics.median(tps[name]), tokens_per_s_best=max(tps[name]),
+            efficiency=statistics.median(efficiency), efficiency_stderr=median_stderr(efficiency),
+            efficiency_of_best=max(tps[name]) / (min(processes, cores()) * max(reference)),
+            cpu_s_per_step=statistics.median(cpu[name][i] for i in kept),  # all ranks together
+            foreign_cores_mean=statistics.mean(foreign[name]),
+            step_s_all=wall[name], cpu_s_all=cpu[name], foreign_cores_all=foreign[name],
+        ))
 
-
-def ratios(rows: list[dict], microbatch_sizes: list[int]) -> dict:
-    by_name = {row["name"]: row for row in rows}
-    sample_cost, sample_cost_median, efficiency_pp2, efficiency_pp2_median = {}, {}, {}, {}
-    for m in microbatch_sizes:
-        fixed, sample = by_name[f"pp2 dp2 mb{m} fixed"], by_name[f"pp2 dp2 mb{m} sample"]
-        sample_cost[str(m)] = 1.0 - sample["tokens_per_s"] / fixed["tokens_per_s"]
-        sample_cost_median[str(m)] = 1.0 - sample["tokens_per_s_median"] / fixed["tokens_per_s_median"]
-        efficiency_pp2[str(m)] = by_name[f"pp2 dp1 mb{m}"]["efficiency"]
-        efficiency_pp2_median[str(m)] = by_name[f"pp2 dp1 mb{m}"]["efficiency_median"]
-    return dict(
-        sample_vs_fixed_cost=sample_cost,  # 1 - sample/fixed tokens/s, pp=2 x dp=2; > 0: sample is slower
-        sample_vs_fixed_cost_median=sample_cost_median,
-        pp2_dp1_efficiency=efficiency_pp2,
-        pp2_dp1_efficiency_median=efficiency_pp2_median,
+    sample_cost, sample_cost_stderr, sample_cost_best, sample_cpu_cost = {}, {}, {}, {}
+    efficiency_pp2, efficiency_pp2_compute = {}, {}
+    for m in setting["microbatch_sizes"]:
+        fixed, sample = tps[f"pp2 dp2 mb{m} fixed"], tps[f"pp2 dp2 mb{m} sample"]
+        per_round = [1.0 - s / f for s, f in zip(sample, fixed)]
+        sample_cost[str(m)] = statistics.median(per_round)
+        sample_cost_stderr[str(m)] = median_stderr(per_round)
+        sample_cost_best[str(m)] = 1.0 - max(sample) / max(fixed)
+        fixed_cpu, sample_cpu = (cpu[f"pp2 dp2 mb{m} {routing}"] for routing in ("fixed", "sample"))
+        sample_cpu_cost[str(m)] = statistics.median(sample_cpu[i] / fixed_cpu[i] - 1.0 for i in kept)
+        efficiency_pp2[str(m)] = next(row["efficiency"] for row in rows if row["name"] == f"pp2 dp1 mb{m}")
+        efficiency_pp2_compute[str(m)] = next(
+            row["efficiency"] for row in rows if row["name"] == f"pp2 dp1 mb{m} compute")
+    summary = dict(
+        rounds_kept=len(kept), quiet_rounds=len(quiet_rounds), rounds=rounds,
+        sample_vs_fixed_cost=sample_cost,  # median over rounds of 1 - sample/fixed tokens/s; > 0: slower
+        sample_vs_fixed_cost_stderr=sample_cost_stderr,
+        sample_vs_fixed_cost_of_best=sample_cost_best,
+        sample_vs_fixed_cpu_cost=sample_cpu_cost,  # median over rounds of the extra CPU time of all ranks
+        pp2_dp1_efficiency=efficiency_pp2,  # stage_balance="layers" (the default)
+        pp2_dp1_efficiency_compute=efficiency_pp2_compute,  # stage_balance="compute"
         targets=dict(
             sample_vs_fixed_cost_max=0.03, pp2_dp1_efficiency_min=0.8,
             sample_cost_met={m: c <= 0.03 for m, c in sample_cost.items()},
             pp2_dp1_efficiency_met={m: e >= 0.8 for m, e in efficiency_pp2.items()},
+            pp2_dp1_efficiency_compute_met={m: e >= 0.8 for m, e in efficiency_pp2_compute.items()},
         ),
     )
+    return rows, summary
+
+
+def median_stderr(values: list[float]) -> float:
+    """Standard error of the median of ``values`` (1.25 sigma / sqrt(n), as for a normal sample)."""
+    return 1.2533 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
 
 
 def machine() -> dict:
@@ -244,19 +287,22 @@ def wait_for_quiet(max_load: float, max_wait_s: float, poll_s: float = 25.0) -> 
 
 
 def print_table(rows: list[dict], summary: dict) -> None:
-    print(f"{'configuration':<22} {'procs':>5} {'step s':>7} {'tokens/s':>9} {'efficiency':>10} "
-          f"{'| median: tokens/s':>18} {'efficiency':>10} {'| quiet steps':>13} {'foreign cores':>13}")
+    print(f"{'configuration':<22} {'procs':>5} {'step s':>7} {'CPU s':>6} {'tokens/s':>9} {'efficiency':>10} "
+          f"{'| best: tokens/s':>16} {'efficiency':>10} {'| foreign cores':>15}")
     for row in rows:
-        print(f"{row['name']:<22} {row['processes']:>5} {row['step_s']:>7.3f} {row['tokens_per_s']:>9.0f} "
-              f"{row['efficiency']:>10.3f} {row['tokens_per_s_median']:>18.0f} "
-              f"{row['efficiency_median']:>10.3f} {row['quiet_steps']:>8}/{row['steps']:<4} "
-              f"{row['foreign_cores_mean']:>13.2f}")
-    print()
+        print(f"{row['name']:<22} {row['processes']:>5} {row['step_s_median']:>7.3f} "
+              f"{row['cpu_s_per_step']:>6.2f} {row['tokens_per_s']:>9.0f} {row['efficiency']:>10.3f} "
+              f"{row['tokens_per_s_best']:>16.0f} {row['efficiency_of_best']:>10.3f} "
+              f"{row['foreign_cores_mean']:>15.2f}")
+    print(f"\nmedians over {summary['rounds_kept']} rounds "
+          f"({summary['quiet_rounds']} of {summary['rounds']} were quiet)")
     for m, cost in summary["sample_vs_fixed_cost"].items():
-        print(f"microbatch {m}: sample routing costs {100 * cost:+.1f}% against fixed (target <= 3%; median "
-              f"{100 * summary['sample_vs_fixed_cost_median'][m]:+.1f}%), pp2 x dp1 efficiency "
-              f"{summary['pp2_dp1_efficiency'][m]:.3f} (target >= 0.8; median "
-              f"{summary['pp2_dp1_efficiency_median'][m]:.3f})")
+        print(f"microbatch {m}: sample routing costs {100 * cost:+.1f}% "
+              f"+- {100 * summary['sample_vs_fixed_cost_stderr'][m]:.1f}% against fixed (target <= 3%; "
+              f"of the best steps {100 * summary['sample_vs_fixed_cost_of_best'][m]:+.1f}%; "
+              f"CPU time {100 * summary['sample_vs_fixed_cpu_cost'][m]:+.1f}%), "
+              f"pp2 x dp1 efficiency {summary['pp2_dp1_efficiency'][m]:.3f}, with stage_balance='compute' "
+              f"{summary['pp2_dp1_efficiency_compute'][m]:.3f} (target >= 0.8)")
 
 
 def check_structure(result: dict, microbatch_sizes: list[int]) -> None:
@@ -264,8 +310,7 @@ def check_structure(result: dict, microbatch_sizes: list[int]) -> None:
     names = [row["name"] for row in result["rows"]]
     assert names == [run["name"] for run in configurations(microbatch_sizes)], names
     for row in result["rows"]:
-        assert row["tokens_per_s"] > 0 and row["efficiency"] > 0 and row["step_s"] > 0, row
-        assert all(math.isfinite(loss) for loss in row["last_losses"]), row
+        assert row["tokens_per_s"] > 0 and row["efficiency"] > 0 and row["step_s_median"] > 0, row
     assert result["rows"][0]["efficiency"] == 1.0
     assert set(result["summary"]["sample_vs_fixed_cost"]) == {str(m) for m in microbatch_sizes}
     assert result["machine"]["cores"] >= 1
@@ -275,41 +320,38 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run that checks the output")
     parser.add_argument("--output", default=RESULTS, help="where to write the JSON (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, help="override the number of alternated repeats")
-    parser.add_argument("--steps", type=int, help="override the number of timed steps")
+    parser.add_argument("--rounds", type=int, help="override the number of timed rounds")
     parser.add_argument("--max-load", type=float, default=None,
-                        help="first wait until the 1-minute load average is below this (polls every 30 s)")
+                        help="first wait until the 1-minute load average is below this, the machine idle")
     parser.add_argument("--max-wait", type=float, default=2400, help="longest wait for --max-load, seconds")
-    parser.add_argument("--stage-boundaries", type=int, nargs="+", default=None,
-                        help="first layer of stages 1.. (default: split_model's even split)")
     args = parser.parse_args(argv)
 
     mode = "quick" if args.quick else "full"
     setting = dict(SETTINGS[mode])
-    setting["repeats"] = args.repeats or setting["repeats"]
-    setting["steps"] = args.steps or setting["steps"]
-    setting["stage_boundaries"] = args.stage_boundaries
+    setting["rounds"] = args.rounds or setting["rounds"]
     if args.max_load is not None:
         wait_for_quiet(args.max_load, args.max_wait)
     load_before = os.getloadavg()
-    runs = configurations(setting["microbatch_sizes"])
     start = time.monotonic()
-    rows = measure(setting, runs)
-    summary = ratios(rows, setting["microbatch_sizes"])
+    rows, summary = measure(setting)
     config = llama_config(setting["model"], setting["seq_len"])
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+        meta_model = LlamaForCausalLM(config)
+    parameters = sum(p.numel() for p in meta_model.parameters())
     result = dict(
         benchmark="pipeline_throughput", mode=mode, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine=machine(),
         load_average=dict(before=list(load_before), after=list(os.getloadavg())),
         model=dict(**setting["model"], parameters=parameters, tie_word_embeddings=False, attention="sdpa",
-                   dtype="float32", stage_boundaries=args.stage_boundaries or "even (split_model default)"),
+                   dtype="float32", stage_split={
+                       balance: [list(r) for r in split_model(meta_model, 0, 2, stage_balance=balance).all_layer_ranges]
+                       for balance in ("layers", "compute")}),
         setup=dict(rows_per_replica=setting["rows"], seq_len=setting["seq_len"], optimizer="AdamW",
-                   warmup_steps=setting["warmup"], timed_steps=setting["steps"], repeats=setting["repeats"],
-                   statistic="fastest quiet step over all repeats (median also given)",
+                   step="forward + backward + AdamW step", processes_started=WORLD,
+                   warmup_rounds=setting["warmup_rounds"], rounds=setting["rounds"],
                    quiet_cores=setting["quiet_cores"],
-                   step="forward + backward + AdamW step", wall_s=time.monotonic() - start),
+                   statistic="median over quiet rounds of per-round values and ratios (best step also given)",
+                   wall_s=time.monotonic() - start),
         rows=rows, summary=summary,
     )
     print_table(rows, summary)
