@@ -4,6 +4,8 @@ One training step = forward + backward of a per-replica batch + the inner AdamW 
 in one run, every process with one thread:
 
     reference       the unsplit model in one process (plain transformers forward with labels)
+    reference x2    two of them side by side, each on its own data: what two processes get out of this
+                    machine with no pipeline at all (shared caches, memory bandwidth, clock), the ceiling
     pp=2 x dp=1     two stages, for each microbatch size; split 4/4 (stage_balance="layers", the default)
                     and 5/3 (stage_balance="compute": the last stage also carries lm_head, 1.8 layers' worth)
     pp=2 x dp=2     four processes, `sample` vs `fixed` routing, for each microbatch size
@@ -80,7 +82,9 @@ def llama_config(model: dict, seq_len: int) -> LlamaConfig:
 
 def configurations(microbatch_sizes: list[int]) -> list[dict]:
     """Every configuration measured, in the order of a round (and of the table)."""
-    runs = [dict(name="reference", pp=1, dp=1, routing=None, microbatch_size=None, balance=None)]
+    runs = [dict(name="reference", pp=1, dp=1, routing=None, microbatch_size=None, balance=None),
+            # the machine's own ceiling: two unsplit models side by side, no communication at all
+            dict(name="reference x2", pp=1, dp=2, routing=None, microbatch_size=None, balance=None)]
     for m in microbatch_sizes:
         for balance, suffix in (("layers", ""), ("compute", " compute")):
             runs.append(dict(name=f"pp2 dp1 mb{m}{suffix}", pp=2, dp=1, routing="sample", microbatch_size=m,
@@ -132,6 +136,8 @@ def _bench(setting: dict) -> dict:
         mesh = meshes.get(run["dp"])
         if run["name"] == "reference":
             steps[run["name"]] = _reference_step(config, batch_of(0)) if rank == 0 else None
+        elif run["name"] == "reference x2":
+            steps[run["name"]] = _reference_step(config, batch_of(rank)) if rank < 2 else None
         elif mesh is not None:
             stage, optimizer = stages[run["balance"]]
             router = Router(run["dp"], run["routing"], seed=0)
@@ -216,7 +222,7 @@ def measure(setting: dict) -> tuple[list[dict], dict]:
         ))
 
     sample_cost, sample_cost_stderr, sample_cost_best, sample_cpu_cost = {}, {}, {}, {}
-    efficiency_pp2, efficiency_pp2_compute = {}, {}
+    efficiency_pp2, efficiency_pp2_compute, of_ceiling = {}, {}, {"layers": {}, "compute": {}}
     for m in setting["microbatch_sizes"]:
         fixed, sample = tps[f"pp2 dp2 mb{m} fixed"], tps[f"pp2 dp2 mb{m} sample"]
         per_round = [1.0 - s / f for s, f in zip(sample, fixed)]
@@ -228,14 +234,21 @@ def measure(setting: dict) -> tuple[list[dict], dict]:
         efficiency_pp2[str(m)] = next(row["efficiency"] for row in rows if row["name"] == f"pp2 dp1 mb{m}")
         efficiency_pp2_compute[str(m)] = next(
             row["efficiency"] for row in rows if row["name"] == f"pp2 dp1 mb{m} compute")
+        for balance, suffix in (("layers", ""), ("compute", " compute")):
+            of_ceiling[balance][str(m)] = statistics.median(
+                p / c for p, c in zip(tps[f"pp2 dp1 mb{m}{suffix}"], tps["reference x2"]))
     summary = dict(
         rounds_kept=len(kept), quiet_rounds=len(quiet_rounds), rounds=rounds,
+        # efficiency of two independent unsplit models: no 2-process configuration can do better here
+        two_process_ceiling=next(row["efficiency"] for row in rows if row["name"] == "reference x2"),
         sample_vs_fixed_cost=sample_cost,  # median over rounds of 1 - sample/fixed tokens/s; > 0: slower
         sample_vs_fixed_cost_stderr=sample_cost_stderr,
         sample_vs_fixed_cost_of_best=sample_cost_best,
         sample_vs_fixed_cpu_cost=sample_cpu_cost,  # median over rounds of the extra CPU time of all ranks
         pp2_dp1_efficiency=efficiency_pp2,  # stage_balance="layers" (the default)
         pp2_dp1_efficiency_compute=efficiency_pp2_compute,  # stage_balance="compute"
+        # median over rounds of pp2 x dp1 tokens/s / two side-by-side unsplit models' tokens/s, by stage_balance
+        pp2_dp1_of_two_process_ceiling=of_ceiling,
         targets=dict(
             sample_vs_fixed_cost_max=0.03, pp2_dp1_efficiency_min=0.8,
             sample_cost_met={m: c <= 0.03 for m, c in sample_cost.items()},
@@ -295,14 +308,17 @@ def print_table(rows: list[dict], summary: dict) -> None:
               f"{row['tokens_per_s_best']:>16.0f} {row['efficiency_of_best']:>10.3f} "
               f"{row['foreign_cores_mean']:>15.2f}")
     print(f"\nmedians over {summary['rounds_kept']} rounds "
-          f"({summary['quiet_rounds']} of {summary['rounds']} were quiet)")
+          f"({summary['quiet_rounds']} of {summary['rounds']} were quiet); two unsplit models side by side reach "
+          f"an efficiency of {summary['two_process_ceiling']:.3f} on this machine")
     for m, cost in summary["sample_vs_fixed_cost"].items():
         print(f"microbatch {m}: sample routing costs {100 * cost:+.1f}% "
               f"+- {100 * summary['sample_vs_fixed_cost_stderr'][m]:.1f}% against fixed (target <= 3%; "
               f"of the best steps {100 * summary['sample_vs_fixed_cost_of_best'][m]:+.1f}%; "
               f"CPU time {100 * summary['sample_vs_fixed_cpu_cost'][m]:+.1f}%), "
               f"pp2 x dp1 efficiency {summary['pp2_dp1_efficiency'][m]:.3f}, with stage_balance='compute' "
-              f"{summary['pp2_dp1_efficiency_compute'][m]:.3f} (target >= 0.8)")
+              f"{summary['pp2_dp1_efficiency_compute'][m]:.3f} (target >= 0.8); of the 2-process ceiling "
+              f"{summary['pp2_dp1_of_two_process_ceiling']['layers'][m]:.3f} and "
+              f"{summary['pp2_dp1_of_two_process_ceiling']['compute'][m]:.3f}")
 
 
 def check_structure(result: dict, microbatch_sizes: list[int]) -> None:

@@ -22,13 +22,15 @@ def test_pipeline_throughput_quick(tmp_path):
     result = json.loads(output.read_text())
 
     sizes = [1, 2]
-    expected = ["reference"] + [f"pp2 dp1 mb{m}{split}" for m in sizes for split in ("", " compute")]
+    expected = ["reference", "reference x2"] + [f"pp2 dp1 mb{m}{split}" for m in sizes for split in ("", " compute")]
     expected += [f"pp2 dp2 mb{m} {routing}" for m in sizes for routing in ("fixed", "sample")]
     assert [row["name"] for row in result["rows"]] == expected
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and row["efficiency"] > 0 and row["step_s_median"] > 0
         assert row["processes"] == row["pp"] * row["dp"]
     assert result["rows"][0]["efficiency"] == 1.0
+    assert result["summary"]["two_process_ceiling"] == result["rows"][1]["efficiency"] > 0
+    assert set(result["summary"]["pp2_dp1_of_two_process_ceiling"]) == {"layers", "compute"}
     assert set(result["summary"]["sample_vs_fixed_cost"]) == {"1", "2"}
     assert all(e > 0 for e in result["summary"]["pp2_dp1_efficiency"].values())
     assert set(result["summary"]["pp2_dp1_efficiency_compute"]) == {"1", "2"}

@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_harness import run_distributed
 from hf_noloco.comm import PeerError
