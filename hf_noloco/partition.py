@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -286,10 +287,16 @@ def build_stage(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     stage_balance: str = "layers",
+    seed: int | None = None,
 ) -> PipelineStage:
     """Builds one stage without ever holding the full model: the model is built on the meta device, the
     stage is materialised on ``device``, then filled from ``checkpoint`` (a folder of safetensors files)
-    or initialised as ``from_config`` would."""
+    or initialised with the model's own initialisation (``_init_weights``).
+
+    A fresh initialisation draws each module's weights from a generator seeded by ``seed`` (default:
+    ``torch.initial_seed()``) and the module's name, so every split of the model, ``pipeline_stages=1``
+    included, starts from the same weights, and runs with different splits can be compared. The global
+    random state is left as it was."""
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     stage = split_model(meta_model, stage_index, num_stages, stage_boundaries, stage_balance)
@@ -300,9 +307,18 @@ def build_stage(
     if checkpoint is not None:
         load_stage_weights(stage, checkpoint)
     else:
-        for module in stage.modules():
-            meta_model._init_weights(module)
+        base_seed = torch.initial_seed() if seed is None else seed
+        device = torch.device(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            for name, module in stage.named_modules():
+                torch.manual_seed(module_seed(base_seed, name))
+                meta_model._init_weights(module)
     return stage
+
+
+def module_seed(seed: int, module_name: str) -> int:
+    """The seed of one module's initialisation: a function of the run's seed and the module's name only."""
+    return (seed * 1_000_003 + zlib.crc32(module_name.encode())) % 2**63
 
 
 def _safetensors_files(checkpoint: str | os.PathLike) -> dict[str, str]:

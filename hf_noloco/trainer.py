@@ -126,14 +126,13 @@ class NoLoCoTrainer(Trainer):
             checkpoint = resolve_checkpoint(model)
             config = load_config(checkpoint)
         elif isinstance(model, PretrainedConfig):
-            checkpoint, config = None, model
-            torch.manual_seed(args.seed)  # replica 0's initialisation is broadcast to the others
+            checkpoint, config = None, model  # replica 0's initialisation is broadcast to the others
         else:
             raise TypeError(
                 f"model must be a Hub id or folder, a PretrainedConfig or a PreTrainedModel, got {type(model).__name__}."
             )
         return build_stage(config, mesh.stage, mesh.num_stages, args.stage_boundaries, checkpoint, args.device,
-                           stage_balance=args.stage_balance)
+                           stage_balance=args.stage_balance, seed=args.seed)
 
     def _check_dataset_size(self, dataset, args: NoLoCoConfig) -> None:
         if dataset is None or not hasattr(dataset, "__len__"):

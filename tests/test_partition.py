@@ -155,10 +155,29 @@ def test_build_stage_materialises_only_its_slice_and_loads_checkpoint(tmp_path):
         torch.testing.assert_close(tensor, model.state_dict()[name], rtol=0, atol=0, msg=name)
     assert not hasattr(stage.model, "embed_tokens")
 
-    fresh = build_stage(model.config, 0, 2)  # from scratch: initialised like from_config
+    fresh = build_stage(model.config, 0, 2)  # from scratch: the model's own initialisation
     emb = fresh.model.embed_tokens.weight
     assert emb.device.type == "cpu" and abs(emb.std().item() - model.config.initializer_range) < 0.005
     assert torch.equal(fresh.model.layers["0"].input_layernorm.weight, torch.ones(32))
+
+
+@pytest.mark.parametrize("stages, balance", [(2, "layers"), (3, "layers"), (2, "compute")])
+def test_fresh_initialisation_does_not_depend_on_the_split(stages, balance):
+    config = tiny_config("qwen2", 5)
+    whole = build_stage(config, 0, 1, seed=11).state_dict()
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    pieces = {}
+    for s in range(stages):
+        pieces.update(build_stage(config, s, stages, stage_balance=balance, seed=11).state_dict())
+    assert torch.equal(torch.random.get_rng_state(), before)  # the global random state is left alone
+    assert sorted(pieces) == sorted(whole)
+    for name, tensor in whole.items():
+        assert torch.equal(pieces[name], tensor), name
+    other = build_stage(config, 0, 1, seed=12).state_dict()
+    assert not torch.equal(other["model.layers.0.mlp.up_proj.weight"], whole["model.layers.0.mlp.up_proj.weight"])
+    # the modules do not share one draw: different layers get different weights
+    assert not torch.equal(whole["model.layers.0.mlp.up_proj.weight"], whole["model.layers.1.mlp.up_proj.weight"])
 
 
 def test_loading_a_checkpoint_missing_a_tensor_names_it(tmp_path):
