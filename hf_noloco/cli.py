@@ -162,27 +162,6 @@ def _check_values(v) -> None:
     if v.dataset_name != BUILTIN_DATASET and _looks_like_local_path(path) and not os.path.exists(path):
         raise ConfigError(f"dataset_name: no such file or folder {v.dataset_name!r}.")
 
-    # Values that torch's optimizers or numpy's seeding would refuse without naming the option.
-    # (They concern NoLoCoConfig itself and could move into NoLoCoConfig._validate.)
-    for name in ("learning_rate", "weight_decay", "adam_epsilon", "warmup_steps"):
-        if not getattr(v, name) >= 0:
-            raise ConfigError(f"{name} must be >= 0, got {getattr(v, name)}.")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(v, name) < 1:
-            raise ConfigError(f"{name} must be in [0, 1), got {getattr(v, name)}.")
-    for name in ("seed", "data_seed"):
-        value = getattr(v, name)
-        if value is not None and not 0 <= value < 2**32:
-            raise ConfigError(f"{name} must be in [0, 2**32), got {value}.")
-    if v.max_steps <= 0 and not v.num_train_epochs > 0:
-        raise ConfigError(
-            f"Nothing to train: max_steps={v.max_steps} and num_train_epochs={v.num_train_epochs}. "
-            "Set a positive max_steps or num_train_epochs."
-        )
-    for name in ("logging_steps", "eval_steps", "save_steps"):
-        value = getattr(v, name)
-        if value is not None and value < 0:
-            raise ConfigError(f"{name} must be positive (a number of steps, or a fraction of the run below 1), got {value}.")
     kwargs = v.lr_scheduler_kwargs
     if isinstance(kwargs, str) and kwargs.strip():
         try:

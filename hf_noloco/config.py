@@ -209,6 +209,28 @@ class NoLoCoConfig(TrainingArguments):
                 f"stage_boundaries must list the first layer of stages 1..{self.pipeline_stages - 1} "
                 f"({self.pipeline_stages - 1} numbers), got {self.stage_boundaries}."
             )
+        # Values that torch's optimizers, numpy's seeding or the Trainer would refuse late, without naming them.
+        for name in ("learning_rate", "weight_decay", "adam_epsilon", "warmup_steps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}.")
+        for name in ("seed", "data_seed"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 2**32:
+                raise ValueError(f"{name} must be in [0, 2**32), got {value}.")
+        if self.max_steps <= 0 and not self.num_train_epochs > 0:
+            raise ValueError(
+                f"Nothing to train: max_steps={self.max_steps} and num_train_epochs={self.num_train_epochs}. "
+                "Set a positive max_steps or num_train_epochs."
+            )
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(
+                    f"{name} must be positive (a number of steps, or a fraction of the run below 1), got {value}."
+                )
         if self.stage_balance not in STAGE_BALANCES:
             raise ValueError(f"stage_balance must be one of {', '.join(STAGE_BALANCES)}, got {self.stage_balance!r}.")
         if self.stage_boundaries is not None and self.stage_balance != "layers":
