@@ -102,7 +102,8 @@ class NoLoCoConfig(TrainingArguments):
 
     pipeline_stages: int = field(default=1, metadata={"help": "Number of pipeline stages."})
     stage_boundaries: list[int] | None = field(
-        default=None, metadata={"help": "First decoder layer of stages 1..pipeline_stages-1; None splits evenly."}
+        default=None,
+        metadata={"help": "First decoder layer of stages 1..pipeline_stages-1; None: split as stage_balance says."},
     )
     stage_balance: str = field(
         default="layers", metadata={"help": "Split without stage_boundaries: equal layers, or balanced compute.",

@@ -126,8 +126,12 @@ def compute_balanced_boundaries(layer_costs: Sequence[int], num_stages: int, las
         return best[num_stages][num_layers], boundaries[::-1]
 
     smallest_max, _ = best_split(cost, max)
-    within = lambda s, a, b: cost(s, a, b) ** 2 if cost(s, a, b) <= smallest_max else None  # noqa: E731
-    return best_split(within, lambda a, b: a + b)[1]
+
+    def squared_within_max(stage: int, start: int, end: int) -> int | None:  # None: this stage is not allowed
+        c = cost(stage, start, end)
+        return c * c if c <= smallest_max else None
+
+    return best_split(squared_within_max, lambda a, b: a + b)[1]
 
 
 def stage_compute_costs(model: nn.Module) -> tuple[list[int], int]:
@@ -156,6 +160,7 @@ class PipelineStage(nn.Module):
         num_stages: int,
         layer_range: tuple[int, int],
         layers: Sequence[nn.Module],
+        all_layer_ranges: Sequence[tuple[int, int]],
         rotary_emb: nn.Module,
         embed_tokens: nn.Module | None = None,
         norm: nn.Module | None = None,
@@ -166,6 +171,7 @@ class PipelineStage(nn.Module):
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.layer_range = layer_range
+        self.all_layer_ranges = list(all_layer_ranges)  # every stage's layers: what a checkpoint resumes with
         self.model = nn.Module()
         if embed_tokens is not None:
             self.model.embed_tokens = embed_tokens
@@ -263,19 +269,18 @@ def split_model(
         raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}.")
     start, end = ranges[stage_index]
     first, last = stage_index == 0, stage_index == num_stages - 1
-    stage = PipelineStage(
+    return PipelineStage(
         config,
         stage_index,
         num_stages,
         (start, end),
         [layers[i] for i in range(start, end)],
+        ranges,
         rotary_emb=model.model.rotary_emb,
         embed_tokens=model.model.embed_tokens if first else None,
         norm=model.model.norm if last else None,
         lm_head=model.lm_head if last else None,
     )
-    stage.all_layer_ranges = ranges  # every stage's layers: what a checkpoint must be resumed with
-    return stage
 
 
 def build_stage(
