@@ -197,7 +197,9 @@ def main(argv=None) -> dict:
     start = time.monotonic()
     train, eval_, _ = common.load_corpus(args.corpus, s["block_size"], s["vocab_size"], s["eval_blocks"], s["max_docs"])
     print(f"{name}: {len(train)} train blocks, {len(eval_)} eval blocks of {s['block_size']} tokens", flush=True)
-    from hf_noloco.gossip import resolve_outer_defaults
+    from dataclasses import asdict
+
+    from hf_noloco.config import OuterSettings
 
     runs = []
     for mesh, seeds in runs_plan.items():
@@ -225,7 +227,7 @@ def main(argv=None) -> dict:
             "total_tokens": tokens_per_step * s["max_steps"], "train_blocks": len(train), "eval_blocks": len(eval_),
             "lr": s["lr"], "lr_schedule": f"linear warm-up {s['warmup_steps']} steps, cosine to 0.1x peak",
             "optimizer": "AdamW (weight decay 0.01), grad clip 1.0", "inner_steps": s["inner_steps"],
-            "outer": {m: resolve_outer_defaults(m, s["inner_steps"]) for m in ("diloco", "noloco")},
+            "outer": {m: asdict(OuterSettings(m, s["inner_steps"])) for m in ("diloco", "noloco")},
             "routing": "sample", "log_every": s["log_every"], "eval_every": s["eval_every"],
         },
         "seeds": sorted({x for v in runs_plan.values() for x in v}),

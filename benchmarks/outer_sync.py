@@ -18,25 +18,20 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-try:
-    from hf_noloco.local_launch import run_distributed
-except ImportError:  # older checkouts keep the launcher with the tests
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from dist_harness import run_distributed
-
+from hf_noloco.config import OuterSettings
+from hf_noloco.local_launch import run_distributed
 from hf_noloco.mesh import PipelineMesh
 from hf_noloco.outer import OuterOptimizer
 
 METHODS = [  # label, method, outer_dtype
-    ("noloco fp32", "noloco", torch.float32),
-    ("noloco bf16", "noloco", torch.bfloat16),
-    ("diloco fp32", "diloco", torch.float32),
+    ("noloco fp32", "noloco", "float32"),
+    ("noloco bf16", "noloco", "bfloat16"),
+    ("diloco fp32", "diloco", "float32"),
 ]
 
 
@@ -52,10 +47,7 @@ def _measure(numel: int, repeats: int) -> dict:
             torch.optim.SGD(params, lr=0.0),
             params,
             mesh,
-            method=method,
-            inner_steps=1,
-            outer_dtype=dtype,
-            seed=0,
+            OuterSettings(method, inner_steps=1, dtype=dtype, seed=0),
         )
         opt.outer_step()  # warm-up: connections, allocations
         sent0, received0 = opt.bytes_sent, opt.bytes_received

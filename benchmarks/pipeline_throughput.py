@@ -58,14 +58,36 @@ WORLD = 4  # processes started: enough for pp=2 x dp=2; smaller configurations l
 SETTINGS = {
     "full": dict(
         # 8 layers, not 4 of a wider model: with 2 layers per stage no split could balance lm_head's share
-        model=dict(hidden_size=192, num_hidden_layers=8, intermediate_size=512, num_attention_heads=4,
-                   num_key_value_heads=4, vocab_size=4096),
-        rows=8, seq_len=256, microbatch_sizes=[1, 2, 4], warmup_rounds=1, rounds=16, quiet_cores=0.25,
+        model=dict(
+            hidden_size=192,
+            num_hidden_layers=8,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=4096,
+        ),
+        rows=8,
+        seq_len=256,
+        microbatch_sizes=[1, 2, 4],
+        warmup_rounds=1,
+        rounds=16,
+        quiet_cores=0.25,
     ),
     "quick": dict(
-        model=dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                   num_key_value_heads=4, vocab_size=512),
-        rows=4, seq_len=64, microbatch_sizes=[1, 2], warmup_rounds=1, rounds=2, quiet_cores=0.25,
+        model=dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=512,
+        ),
+        rows=4,
+        seq_len=64,
+        microbatch_sizes=[1, 2],
+        warmup_rounds=1,
+        rounds=2,
+        quiet_cores=0.25,
     ),
 }
 
@@ -82,17 +104,35 @@ def llama_config(model: dict, seq_len: int) -> LlamaConfig:
 
 def configurations(microbatch_sizes: list[int]) -> list[dict]:
     """Every configuration measured, in the order of a round (and of the table)."""
-    runs = [dict(name="reference", pp=1, dp=1, routing=None, microbatch_size=None, balance=None),
-            # the machine's own ceiling: two unsplit models side by side, no communication at all
-            dict(name="reference x2", pp=1, dp=2, routing=None, microbatch_size=None, balance=None)]
+    runs = [
+        dict(name="reference", pp=1, dp=1, routing=None, microbatch_size=None, balance=None),
+        # the machine's own ceiling: two unsplit models side by side, no communication at all
+        dict(name="reference x2", pp=1, dp=2, routing=None, microbatch_size=None, balance=None),
+    ]
     for m in microbatch_sizes:
         for balance, suffix in (("layers", ""), ("compute", " compute")):
-            runs.append(dict(name=f"pp2 dp1 mb{m}{suffix}", pp=2, dp=1, routing="sample", microbatch_size=m,
-                             balance=balance))
+            runs.append(
+                dict(
+                    name=f"pp2 dp1 mb{m}{suffix}",
+                    pp=2,
+                    dp=1,
+                    routing="sample",
+                    microbatch_size=m,
+                    balance=balance,
+                )
+            )
     for m in microbatch_sizes:
         for routing in ("fixed", "sample"):
-            runs.append(dict(name=f"pp2 dp2 mb{m} {routing}", pp=2, dp=2, routing=routing, microbatch_size=m,
-                             balance="layers"))
+            runs.append(
+                dict(
+                    name=f"pp2 dp2 mb{m} {routing}",
+                    pp=2,
+                    dp=2,
+                    routing=routing,
+                    microbatch_size=m,
+                    balance="layers",
+                )
+            )
     return runs
 
 
@@ -126,8 +166,17 @@ def _bench(setting: dict) -> dict:
         stages[balance] = (stage, torch.optim.AdamW(stage.parameters(), lr=1e-5))
     pair = dist.new_group([0, 1])  # collective: every rank creates it
     meshes = {  # by dp; PipelineMesh.build spans the whole world: pp2 x dp1 on ranks 0, 1 is made by hand
-        1: PipelineMesh(rank=rank, world_size=2, num_stages=2, num_replicas=1, replica_group=None,
-                        column_group=pair, device=torch.device("cpu")) if rank < 2 else None,
+        1: PipelineMesh(
+            rank=rank,
+            world_size=2,
+            num_stages=2,
+            num_replicas=1,
+            replica_group=None,
+            column_group=pair,
+            device=torch.device("cpu"),
+        )
+        if rank < 2
+        else None,
         2: PipelineMesh.build(2),
     }
 
@@ -210,16 +259,25 @@ def measure(setting: dict) -> tuple[list[dict], dict]:
     for run in runs:
         name, processes = run["name"], run["pp"] * run["dp"]
         efficiency = [t / (min(processes, cores()) * r) for t, r in zip(tps[name], reference)]
-        rows.append(dict(
-            **run, processes=processes, tokens_per_step=tokens[name],
-            step_s_median=statistics.median(wall[name][i] for i in kept), step_s_min=min(wall[name]),
-            tokens_per_s=statistics.median(tps[name]), tokens_per_s_best=max(tps[name]),
-            efficiency=statistics.median(efficiency), efficiency_stderr=median_stderr(efficiency),
-            efficiency_of_best=max(tps[name]) / (min(processes, cores()) * max(reference)),
-            cpu_s_per_step=statistics.median(cpu[name][i] for i in kept),  # all ranks together
-            foreign_cores_mean=statistics.mean(foreign[name]),
-            step_s_all=wall[name], cpu_s_all=cpu[name], foreign_cores_all=foreign[name],
-        ))
+        rows.append(
+            dict(
+                **run,
+                processes=processes,
+                tokens_per_step=tokens[name],
+                step_s_median=statistics.median(wall[name][i] for i in kept),
+                step_s_min=min(wall[name]),
+                tokens_per_s=statistics.median(tps[name]),
+                tokens_per_s_best=max(tps[name]),
+                efficiency=statistics.median(efficiency),
+                efficiency_stderr=median_stderr(efficiency),
+                efficiency_of_best=max(tps[name]) / (min(processes, cores()) * max(reference)),
+                cpu_s_per_step=statistics.median(cpu[name][i] for i in kept),  # all ranks together
+                foreign_cores_mean=statistics.mean(foreign[name]),
+                step_s_all=wall[name],
+                cpu_s_all=cpu[name],
+                foreign_cores_all=foreign[name],
+            )
+        )
 
     sample_cost, sample_cost_stderr, sample_cost_best, sample_cpu_cost = {}, {}, {}, {}
     efficiency_pp2, efficiency_pp2_compute, of_ceiling = {}, {}, {"layers": {}, "compute": {}}
@@ -233,12 +291,16 @@ def measure(setting: dict) -> tuple[list[dict], dict]:
         sample_cpu_cost[str(m)] = statistics.median(sample_cpu[i] / fixed_cpu[i] - 1.0 for i in kept)
         efficiency_pp2[str(m)] = next(row["efficiency"] for row in rows if row["name"] == f"pp2 dp1 mb{m}")
         efficiency_pp2_compute[str(m)] = next(
-            row["efficiency"] for row in rows if row["name"] == f"pp2 dp1 mb{m} compute")
+            row["efficiency"] for row in rows if row["name"] == f"pp2 dp1 mb{m} compute"
+        )
         for balance, suffix in (("layers", ""), ("compute", " compute")):
             of_ceiling[balance][str(m)] = statistics.median(
-                p / c for p, c in zip(tps[f"pp2 dp1 mb{m}{suffix}"], tps["reference x2"]))
+                p / c for p, c in zip(tps[f"pp2 dp1 mb{m}{suffix}"], tps["reference x2"])
+            )
     summary = dict(
-        rounds_kept=len(kept), quiet_rounds=len(quiet_rounds), rounds=rounds,
+        rounds_kept=len(kept),
+        quiet_rounds=len(quiet_rounds),
+        rounds=rounds,
         # efficiency of two independent unsplit models: no 2-process configuration can do better here
         two_process_ceiling=next(row["efficiency"] for row in rows if row["name"] == "reference x2"),
         sample_vs_fixed_cost=sample_cost,  # median over rounds of 1 - sample/fixed tokens/s; > 0: slower
@@ -247,10 +309,12 @@ def measure(setting: dict) -> tuple[list[dict], dict]:
         sample_vs_fixed_cpu_cost=sample_cpu_cost,  # median over rounds of the extra CPU time of all ranks
         pp2_dp1_efficiency=efficiency_pp2,  # stage_balance="layers" (the default)
         pp2_dp1_efficiency_compute=efficiency_pp2_compute,  # stage_balance="compute"
-        # median over rounds of pp2 x dp1 tokens/s / two side-by-side unsplit models' tokens/s, by stage_balance
+        # median over rounds of pp2 x dp1 tokens/s / two side-by-side unsplit models' tokens/s, by
+        # stage_balance
         pp2_dp1_of_two_process_ceiling=of_ceiling,
         targets=dict(
-            sample_vs_fixed_cost_max=0.03, pp2_dp1_efficiency_min=0.8,
+            sample_vs_fixed_cost_max=0.03,
+            pp2_dp1_efficiency_min=0.8,
             sample_cost_met={m: c <= 0.03 for m, c in sample_cost.items()},
             pp2_dp1_efficiency_met={m: e >= 0.8 for m, e in efficiency_pp2.items()},
             pp2_dp1_efficiency_compute_met={m: e >= 0.8 for m, e in efficiency_pp2_compute.items()},
@@ -266,8 +330,13 @@ def median_stderr(values: list[float]) -> float:
 
 def machine() -> dict:
     return dict(
-        cores=cores(), cpu_count=os.cpu_count(), processor=_cpu_name(), platform=platform.platform(),
-        python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+        cores=cores(),
+        cpu_count=os.cpu_count(),
+        processor=_cpu_name(),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
         threads_per_process=1,
     )
 
@@ -294,31 +363,43 @@ def wait_for_quiet(max_load: float, max_wait_s: float, poll_s: float = 25.0) -> 
         load = os.getloadavg()[0]
         if (load < max_load and busy < 0.5) or time.monotonic() > deadline:
             return load
-        print(f"load average {load:.2f}, {busy:.1f} cores busy: waiting {poll_s:.0f} s", file=sys.stderr,
-              flush=True)
+        print(
+            f"load average {load:.2f}, {busy:.1f} cores busy: waiting {poll_s:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(poll_s)
 
 
 def print_table(rows: list[dict], summary: dict) -> None:
-    print(f"{'configuration':<22} {'procs':>5} {'step s':>7} {'CPU s':>6} {'tokens/s':>9} {'efficiency':>10} "
-          f"{'| best: tokens/s':>16} {'efficiency':>10} {'| foreign cores':>15}")
+    print(
+        f"{'configuration':<22} {'procs':>5} {'step s':>7} {'CPU s':>6} {'tokens/s':>9} {'efficiency':>10} "
+        f"{'| best: tokens/s':>16} {'efficiency':>10} {'| foreign cores':>15}"
+    )
     for row in rows:
-        print(f"{row['name']:<22} {row['processes']:>5} {row['step_s_median']:>7.3f} "
-              f"{row['cpu_s_per_step']:>6.2f} {row['tokens_per_s']:>9.0f} {row['efficiency']:>10.3f} "
-              f"{row['tokens_per_s_best']:>16.0f} {row['efficiency_of_best']:>10.3f} "
-              f"{row['foreign_cores_mean']:>15.2f}")
-    print(f"\nmedians over {summary['rounds_kept']} rounds "
-          f"({summary['quiet_rounds']} of {summary['rounds']} were quiet); two unsplit models side by side reach "
-          f"an efficiency of {summary['two_process_ceiling']:.3f} on this machine")
+        print(
+            f"{row['name']:<22} {row['processes']:>5} {row['step_s_median']:>7.3f} "
+            f"{row['cpu_s_per_step']:>6.2f} {row['tokens_per_s']:>9.0f} {row['efficiency']:>10.3f} "
+            f"{row['tokens_per_s_best']:>16.0f} {row['efficiency_of_best']:>10.3f} "
+            f"{row['foreign_cores_mean']:>15.2f}"
+        )
+    print(
+        f"\nmedians over {summary['rounds_kept']} rounds "
+        f"({summary['quiet_rounds']} of {summary['rounds']} were quiet); two unsplit models side by side "
+        "reach "
+        f"an efficiency of {summary['two_process_ceiling']:.3f} on this machine"
+    )
     for m, cost in summary["sample_vs_fixed_cost"].items():
-        print(f"microbatch {m}: sample routing costs {100 * cost:+.1f}% "
-              f"+- {100 * summary['sample_vs_fixed_cost_stderr'][m]:.1f}% against fixed (target <= 3%; "
-              f"of the best steps {100 * summary['sample_vs_fixed_cost_of_best'][m]:+.1f}%; "
-              f"CPU time {100 * summary['sample_vs_fixed_cpu_cost'][m]:+.1f}%), "
-              f"pp2 x dp1 efficiency {summary['pp2_dp1_efficiency'][m]:.3f}, with stage_balance='compute' "
-              f"{summary['pp2_dp1_efficiency_compute'][m]:.3f} (target >= 0.8); of the 2-process ceiling "
-              f"{summary['pp2_dp1_of_two_process_ceiling']['layers'][m]:.3f} and "
-              f"{summary['pp2_dp1_of_two_process_ceiling']['compute'][m]:.3f}")
+        print(
+            f"microbatch {m}: sample routing costs {100 * cost:+.1f}% "
+            f"+- {100 * summary['sample_vs_fixed_cost_stderr'][m]:.1f}% against fixed (target <= 3%; "
+            f"of the best steps {100 * summary['sample_vs_fixed_cost_of_best'][m]:+.1f}%; "
+            f"CPU time {100 * summary['sample_vs_fixed_cpu_cost'][m]:+.1f}%), "
+            f"pp2 x dp1 efficiency {summary['pp2_dp1_efficiency'][m]:.3f}, with stage_balance='compute' "
+            f"{summary['pp2_dp1_efficiency_compute'][m]:.3f} (target >= 0.8); of the 2-process ceiling "
+            f"{summary['pp2_dp1_of_two_process_ceiling']['layers'][m]:.3f} and "
+            f"{summary['pp2_dp1_of_two_process_ceiling']['compute'][m]:.3f}"
+        )
 
 
 def check_structure(result: dict, microbatch_sizes: list[int]) -> None:
@@ -337,8 +418,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run that checks the output")
     parser.add_argument("--output", default=RESULTS, help="where to write the JSON (default: %(default)s)")
     parser.add_argument("--rounds", type=int, help="override the number of timed rounds")
-    parser.add_argument("--max-load", type=float, default=None,
-                        help="first wait until the 1-minute load average is below this, the machine idle")
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="first wait until the 1-minute load average is below this, the machine idle",
+    )
     parser.add_argument("--max-wait", type=float, default=2400, help="longest wait for --max-load, seconds")
     args = parser.parse_args(argv)
 
@@ -355,24 +440,44 @@ def main(argv=None) -> dict:
         meta_model = LlamaForCausalLM(config)
     parameters = sum(p.numel() for p in meta_model.parameters())
     result = dict(
-        benchmark="pipeline_throughput", mode=mode, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        benchmark="pipeline_throughput",
+        mode=mode,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine=machine(),
         load_average=dict(before=list(load_before), after=list(os.getloadavg())),
-        model=dict(**setting["model"], parameters=parameters, tie_word_embeddings=False, attention="sdpa",
-                   dtype="float32", stage_split={
-                       balance: [list(r) for r in split_model(meta_model, 0, 2, stage_balance=balance).all_layer_ranges]
-                       for balance in ("layers", "compute")}),
-        setup=dict(rows_per_replica=setting["rows"], seq_len=setting["seq_len"], optimizer="AdamW",
-                   step="forward + backward + AdamW step", processes_started=WORLD,
-                   warmup_rounds=setting["warmup_rounds"], rounds=setting["rounds"],
-                   quiet_cores=setting["quiet_cores"],
-                   statistic="median over quiet rounds of per-round values and ratios (best step also given)",
-                   wall_s=time.monotonic() - start),
-        rows=rows, summary=summary,
+        model=dict(
+            **setting["model"],
+            parameters=parameters,
+            tie_word_embeddings=False,
+            attention="sdpa",
+            dtype="float32",
+            stage_split={
+                balance: [
+                    list(r) for r in split_model(meta_model, 0, 2, stage_balance=balance).all_layer_ranges
+                ]
+                for balance in ("layers", "compute")
+            },
+        ),
+        setup=dict(
+            rows_per_replica=setting["rows"],
+            seq_len=setting["seq_len"],
+            optimizer="AdamW",
+            step="forward + backward + AdamW step",
+            processes_started=WORLD,
+            warmup_rounds=setting["warmup_rounds"],
+            rounds=setting["rounds"],
+            quiet_cores=setting["quiet_cores"],
+            statistic="median over quiet rounds of per-round values and ratios (best step also given)",
+            wall_s=time.monotonic() - start,
+        ),
+        rows=rows,
+        summary=summary,
     )
     print_table(rows, summary)
-    print(f"\nload average (1, 5, 15 min) before the run: {' '.join(f'{x:.2f}' for x in load_before)}; "
-          f"{cores()} cores; {parameters / 1e6:.2f}M parameters; wall {result['setup']['wall_s']:.0f} s")
+    print(
+        f"\nload average (1, 5, 15 min) before the run: {' '.join(f'{x:.2f}' for x in load_before)}; "
+        f"{cores()} cores; {parameters / 1e6:.2f}M parameters; wall {result['setup']['wall_s']:.0f} s"
+    )
     if args.quick:
         check_structure(result, setting["microbatch_sizes"])
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -34,13 +34,29 @@ BLOCK = 32
 
 SETTINGS = {
     # windows: the number of per-window medians the trend is fitted to (and stored in the JSON).
-    # logging_steps is not a multiple of inner_steps (10), so the exact divergence is seen between outer syncs.
-    "full": {"steps": 3000, "warmup": 300, "eval_steps": 500, "save_steps": 1000, "logging_steps": 45, "windows": 54},
-    "quick": {"steps": 40, "warmup": 12, "eval_steps": 20, "save_steps": 20, "logging_steps": 15, "windows": 7},
+    # logging_steps is not a multiple of inner_steps (10), so the exact divergence is seen between outer
+    # syncs.
+    "full": {
+        "steps": 3000,
+        "warmup": 300,
+        "eval_steps": 500,
+        "save_steps": 1000,
+        "logging_steps": 45,
+        "windows": 54,
+    },
+    "quick": {
+        "steps": 40,
+        "warmup": 12,
+        "eval_steps": 20,
+        "save_steps": 20,
+        "logging_steps": 15,
+        "windows": 7,
+    },
 }
 
 
 # ------------------------------------------------------------------------------------ one rank's work
+
 
 def _byte_corpus(blocks: int, offset: int = 0):
     """Real English text (CPython's pydoc topics) as byte tokens: no tokenizer to train."""
@@ -48,8 +64,8 @@ def _byte_corpus(blocks: int, offset: int = 0):
 
     from datasets import Dataset
 
-    data = "\n".join(topics[k] for k in sorted(topics)).encode()[offset * BLOCK:]
-    rows = [list(data[i * BLOCK:(i + 1) * BLOCK]) for i in range(blocks)]
+    data = "\n".join(topics[k] for k in sorted(topics)).encode()[offset * BLOCK :]
+    rows = [list(data[i * BLOCK : (i + 1) * BLOCK]) for i in range(blocks)]
     return Dataset.from_dict({"input_ids": rows, "labels": rows})
 
 
@@ -75,30 +91,62 @@ def _soak_rank(out_dir: str, settings: dict) -> dict:
             self.step_s.append(time.perf_counter() - self._start)
             self.rss.append(self.process.memory_info().rss)
 
-    model = LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                        tie_word_embeddings=False)
+    model = LlamaConfig(
+        vocab_size=256,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     args = NoLoCoConfig(
-        output_dir=os.path.join(out_dir, "run"), pipeline_stages=2, per_device_train_batch_size=8,
-        microbatch_size=2, per_device_eval_batch_size=16, learning_rate=1e-3, lr_scheduler_type="constant",
-        warmup_steps=0, max_steps=settings["steps"], logging_steps=settings["logging_steps"],
-        divergence_steps=settings["logging_steps"], eval_strategy="steps", eval_steps=settings["eval_steps"],
-        save_strategy="steps", save_steps=settings["save_steps"], save_total_limit=1, report_to="none",
-        disable_tqdm=True, outer_optimizer="noloco", inner_steps=10, routing="sample", seed=0,
+        output_dir=os.path.join(out_dir, "run"),
+        pipeline_stages=2,
+        per_device_train_batch_size=8,
+        microbatch_size=2,
+        per_device_eval_batch_size=16,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_steps=settings["steps"],
+        logging_steps=settings["logging_steps"],
+        divergence_steps=settings["logging_steps"],
+        eval_strategy="steps",
+        eval_steps=settings["eval_steps"],
+        save_strategy="steps",
+        save_steps=settings["save_steps"],
+        save_total_limit=1,
+        report_to="none",
+        disable_tqdm=True,
+        outer_optimizer="noloco",
+        inner_steps=10,
+        routing="sample",
+        seed=0,
     )
     recorder = Recorder()
-    trainer = NoLoCoTrainer(model, args, train_dataset=_byte_corpus(512), eval_dataset=_byte_corpus(64, 600),
-                            callbacks=[recorder], dataset_name="pydoc-topics")
+    trainer = NoLoCoTrainer(
+        model, args, train_dataset=_byte_corpus(512), eval_dataset=_byte_corpus(64, 600), callbacks=[recorder]
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     mesh = trainer.mesh
-    result = {"rank": mesh.rank, "stage": mesh.stage, "replica": mesh.replica, "rss": recorder.rss,
-              "step_s": recorder.step_s, "first_loss": losses[0], "last_loss": losses[-1]}
+    result = {
+        "rank": mesh.rank,
+        "stage": mesh.stage,
+        "replica": mesh.replica,
+        "rss": recorder.rss,
+        "step_s": recorder.step_s,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
     trainer.end()
     return result
 
 
 # -------------------------------------------------------------------------------------------- analysis
+
 
 def window_medians(values: list[float], start: int, windows: int) -> tuple[list[float], list[float]]:
     """Medians of ``windows`` equal slices of ``values[start:]``, and the centre step of each slice.
@@ -122,8 +170,12 @@ def trend(values: list[float], warmup: int, windows: int) -> dict:
     noise = float(residuals.std(ddof=2)) if len(steps) > 2 else 0.0
     level = float(np.median(medians))
     return {
-        "level": level, "slope_per_1000_steps": float(slope * 1000), "growth": growth, "noise": noise,
-        "first_window": medians[0], "last_window": medians[-1],
+        "level": level,
+        "slope_per_1000_steps": float(slope * 1000),
+        "growth": growth,
+        "noise": noise,
+        "first_window": medians[0],
+        "last_window": medians[-1],
         "grows": bool(growth > 3 * noise and growth > 0.01 * level),
     }
 
@@ -135,13 +187,21 @@ def analyse(ranks: list[dict], warmup: int, windows: int) -> list[dict]:
         step_ms = [s * 1000 for s in r["step_s"]]
         steps, rss_series = window_medians(rss_mib, 0, windows)
         _, time_series = window_medians(step_ms, 0, windows)
-        rows.append({
-            "rank": r["rank"], "stage": r["stage"], "replica": r["replica"], "steps_recorded": len(step_ms),
-            "rss_mib": trend(rss_mib, warmup, windows), "step_ms": trend(step_ms, warmup, windows),
-            "rss_mib_at_warmup_end": rss_mib[warmup - 1], "rss_mib_peak": max(rss_mib),
-            "first_loss": r["first_loss"], "last_loss": r["last_loss"],
-            "series": {"step": steps, "rss_mib": rss_series, "step_ms": time_series},
-        })
+        rows.append(
+            {
+                "rank": r["rank"],
+                "stage": r["stage"],
+                "replica": r["replica"],
+                "steps_recorded": len(step_ms),
+                "rss_mib": trend(rss_mib, warmup, windows),
+                "step_ms": trend(step_ms, warmup, windows),
+                "rss_mib_at_warmup_end": rss_mib[warmup - 1],
+                "rss_mib_peak": max(rss_mib),
+                "first_loss": r["first_loss"],
+                "last_loss": r["last_loss"],
+                "series": {"step": steps, "rss_mib": rss_series, "step_ms": time_series},
+            }
+        )
     return rows
 
 
@@ -189,11 +249,22 @@ def main(argv: list[str] | None = None) -> dict:
     rows = analyse(ranks, settings["warmup"], settings["windows"])
 
     result = {
-        "settings": {**settings, "mode": "quick" if cli.quick else "full", "processes": 4, "pipeline_stages": 2,
-                     "replicas": 2, "outer_optimizer": "noloco", "inner_steps": 10,
-                     "model": "llama, 4 layers x 48, byte vocab, block 32"},
-        "machine": {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()},
+        "settings": {
+            **settings,
+            "mode": "quick" if cli.quick else "full",
+            "processes": 4,
+            "pipeline_stages": 2,
+            "replicas": 2,
+            "outer_optimizer": "noloco",
+            "inner_steps": 10,
+            "model": "llama, 4 layers x 48, byte vocab, block 32",
+        },
+        "machine": {
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
         "wall_s": wall_s,
         "ranks": rows,
         "summary": {
@@ -207,12 +278,17 @@ def main(argv: list[str] | None = None) -> dict:
     plot(rows, settings["warmup"], os.path.splitext(output)[0] + ".png")
 
     print(f"{settings['steps']} steps in {wall_s:.0f} s; fitted after step {settings['warmup']}:")
-    print(f"{'rank':>4} {'RSS MiB':>8} {'growth':>8} {'noise':>7} {'step ms':>8} {'growth':>8} {'noise':>7}  verdict")
+    print(
+        f"{'rank':>4} {'RSS MiB':>8} {'growth':>8} {'noise':>7} {'step ms':>8} {'growth':>8} {'noise':>7}  "
+        "verdict"
+    )
     for r in rows:
         m, t = r["rss_mib"], r["step_ms"]
         verdict = "GROWS" if m["grows"] or t["grows"] else "flat"
-        print(f"{r['rank']:>4} {m['level']:>8.1f} {m['growth']:>+8.2f} {m['noise']:>7.2f} "
-              f"{t['level']:>8.2f} {t['growth']:>+8.2f} {t['noise']:>7.2f}  {verdict}")
+        print(
+            f"{r['rank']:>4} {m['level']:>8.1f} {m['growth']:>+8.2f} {m['noise']:>7.2f} "
+            f"{t['level']:>8.2f} {t['growth']:>+8.2f} {t['noise']:>7.2f}  {verdict}"
+        )
     print(f"wrote {output}")
     return result
 

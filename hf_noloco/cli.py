@@ -1,283 +1,264 @@
-"""The training command: ``hf-noloco-train recipe.yaml [--key value ...]`` (also ``recipes/train.py``).
+"""The training command: ``hf-noloco-train --config recipe.yaml [--key value ...]`` (also
+``recipes/train.py``).
 
-Pretrains from a config (``model_config``) or fine-tunes a checkpoint (``model_name_or_path``) with
-NoLoCo, on the built-in corpus unless ``dataset_name`` says otherwise, then evaluates, exports one ordinary
-HF checkpoint with its model card into ``output_dir`` and optionally pushes it to the Hub.
+Pretrains from a config (``model_config``) or fine-tunes a checkpoint (``model_name_or_path``) with NoLoCo, on
+the built-in corpus unless ``dataset_name`` says otherwise, then evaluates, exports one ordinary HF checkpoint
+with its model card into ``output_dir`` and optionally pushes it to the Hub.
+
+A recipe's keys become the parser's defaults and the command line overrides them, as in TRL; the recipe may
+also be given as the first argument. Every option is a field of :class:`~hf_noloco.config.ModelArguments`,
+:class:`~hf_noloco.config.DataArguments` or :class:`~hf_noloco.config.NoLoCoConfig`, and its ``--help`` text
+is that field's docstring entry.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import dataclasses
+import difflib
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+import types
+import typing
 
 import yaml
 from transformers import HfArgumentParser
 
-from .config import NoLoCoConfig
-from .data import BUILTIN_DATASET, _looks_like_local_path
+from .config import DataArguments, ModelArguments, NoLoCoConfig, check_config
 
-
-@dataclass
-class ModelArguments:
-    """Which model to train."""
-
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Hub id or local folder of a Llama-family checkpoint to fine-tune."}
-    )
-    model_config: str | None = field(
-        default=None,
-        metadata={"help": "Pretrain from scratch: a config dict (JSON, with model_type) or a path to a config.json."},
-    )
-    tokenizer_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "Tokenizer to use. Default: the checkpoint's, or (from scratch) a byte-level BPE "
-                          "tokenizer trained on the training text."},
-    )
-    tokenizer_vocab_size: int = field(default=4096, metadata={"help": "Vocabulary of the trained BPE tokenizer."})
-
-
-@dataclass
-class DataArguments:
-    """Which text to train on."""
-
-    dataset_name: str = field(
-        default=BUILTIN_DATASET,
-        metadata={"help": "Hub dataset name, a local .txt/.json/.jsonl/.parquet file or folder, or "
-                          f"{BUILTIN_DATASET!r} (CPython's documentation, no network needed)."},
-    )
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    text_column: str = field(default="text", metadata={"help": "Column holding the text."})
-    block_size: int = field(default=256, metadata={"help": "Tokens per packed training sequence."})
-    validation_split_percentage: float = field(
-        default=5, metadata={"help": "Share of documents held out when the dataset has no validation split."}
-    )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training blocks."})
-    preprocessing_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+MODEL_SOURCES = ("model_name_or_path", "model_config")
 
 
 class ConfigError(ValueError):
     """A bad recipe or option: reported as one ``error: ...`` line and exit status 2, without a traceback."""
 
 
-class _Parser(HfArgumentParser):
-    """Errors name the bad option in one line, instead of printing the usage of every TrainingArguments
-    field and exiting."""
+class NoLoCoArgumentParser(HfArgumentParser):
+    """``HfArgumentParser`` over the command's three dataclasses, with a recipe YAML as defaults.
+
+    Errors name the bad option in one line (a :class:`ConfigError`) instead of printing the usage of every
+    TrainingArguments field and exiting.
+    """
+
+    def __init__(self):
+        # No abbreviations: `--max_step` must be an error, not silently `--max_steps`.
+        super().__init__(
+            (ModelArguments, DataArguments, NoLoCoConfig), prog="hf-noloco-train", allow_abbrev=False
+        )
+        self.add_argument(
+            "--config",
+            metavar="RECIPE",
+            help="A recipe YAML: its keys are defaults, which the options given on the command line "
+            "override. It "
+            "may also be given as the first argument.",
+        )
+        self.field_types = {
+            f.name: typing.get_type_hints(dtype)[f.name]
+            for dtype in self.dataclass_types
+            for f in dataclasses.fields(dtype)
+            if f.init
+        }
 
     def error(self, message):
         message = re.sub(r"(--[\w]+)/--[\w-]+", r"\1", message).rstrip(".")  # drop the --dashed-alias
         if message.endswith("expected one argument"):
             message += " (a value starting with '-', such as -1e-8, is written --key=-1e-8)"
-        raise ConfigError(f"{message[0].upper()}{message[1:]}. `hf-noloco-train --help` lists the valid options.")
+        raise ConfigError(
+            f"{message[0].upper()}{message[1:]}. `hf-noloco-train --help` lists the valid options."
+        )
+
+    def parse(self, argv: list[str]) -> argparse.Namespace:
+        """The options of ``argv``: a recipe (``--config`` or first argument) as defaults, then the rest."""
+        argv = list(argv)
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config")
+        known, argv = pre.parse_known_args(argv)
+        recipe_path = known.config
+        if recipe_path is None and argv and argv[0].endswith((".yaml", ".yml")):
+            recipe_path, argv = argv[0], argv[1:]
+        if recipe_path is not None:
+            recipe = self._read_recipe(recipe_path)
+            given = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
+            if given & set(MODEL_SOURCES):  # a model source on the command line replaces the recipe's
+                recipe = {k: v for k, v in recipe.items() if k not in MODEL_SOURCES}
+            self.set_defaults(
+                **{k: self._default(k, v, recipe_path) for k, v in recipe.items() if v is not None}
+            )
+        namespace, unknown = self.parse_known_args(argv)
+        if unknown:
+            if not unknown[0].startswith("-"):
+                raise ConfigError(
+                    f"Unexpected argument {unknown[0]!r}: give a recipe .yaml file first (or --config "
+                    "RECIPE), then --key value overrides."
+                )
+            hint = self._suggestion(unknown[0].lstrip("-").split("=")[0])
+            raise ConfigError(
+                f"Unknown options: {' '.join(unknown)}.{hint} `hf-noloco-train --help` lists the valid ones."
+            )
+        return namespace
+
+    def build(self, dtype, namespace: argparse.Namespace):
+        """One of the dataclasses, from the parsed options (its ``__post_init__`` checks them)."""
+        return dtype(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(dtype) if f.init})
+
+    def _read_recipe(self, path: str) -> dict:
+        if not os.path.isfile(path):
+            raise ConfigError(f"Recipe file {path!r} does not exist.")
+        try:
+            with open(path) as f:
+                recipe = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            line = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"{path} is not valid YAML{line}: {problem}.") from None
+        recipe = {} if recipe is None else recipe
+        if not isinstance(recipe, dict):
+            raise ConfigError(
+                f"{path} must hold a mapping of option names to values, got a {type(recipe).__name__}."
+            )
+        for key in recipe:
+            if not isinstance(key, str) or key not in self.field_types:
+                raise ConfigError(
+                    f"{path}: unknown option {key!r}.{self._suggestion(str(key))} `hf-noloco-train --help` "
+                    "lists "
+                    "the valid ones."
+                )
+        return recipe
+
+    def _suggestion(self, name: str) -> str:
+        close = difflib.get_close_matches(name, list(self.field_types), n=1)
+        return f" Did you mean {close[0]!r}?" if close else ""
+
+    def _default(self, key: str, value, path: str):
+        """A recipe value as a parser default. Scalars become text, so argparse converts (and checks) them as
+        if
+        typed on the command line; lists and mappings go where the option's type takes them."""
+        kinds = _kinds(self.field_types[key])
+        if isinstance(value, dict):
+            if dict not in kinds:
+                raise ConfigError(f"{path}: {key} takes a single value, got a mapping {value!r}.")
+            return value
+        if isinstance(value, list):
+            if list not in kinds:
+                raise ConfigError(f"{path}: {key} takes one value, got the list {value!r}.")
+            if any(isinstance(v, (list, dict)) for v in value):
+                raise ConfigError(f"{path}: {key} must be a list of plain values, got {value!r}.")
+            element = kinds[list]
+            try:
+                return [
+                    element(v) if element in (int, float) and not isinstance(v, bool) else v for v in value
+                ]
+            except ValueError:
+                raise ConfigError(
+                    f"{path}: {key} must be a list of {element.__name__} values, got {value!r}."
+                ) from None
+        if isinstance(value, bool) and bool not in kinds:
+            # YAML 1.1 reads a bare `no` as False: `eval_strategy: no` means the choice "no".
+            return "no" if value is False else str(value)
+        return str(value)
+
+
+def _kinds(annotation) -> dict:
+    """What a field's type accepts, as ``{kind: element type}``: ``dict``, ``list`` (with its element type),
+    ``bool``, or ``str`` for every other scalar."""
+    kinds = {}
+    union = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+    args = typing.get_args(annotation) if union else (annotation,)
+    for arg in args:
+        origin = typing.get_origin(arg) or arg
+        if origin is dict:
+            kinds[dict] = None
+        elif origin is list:
+            element = typing.get_args(arg)
+            kinds[list] = element[0] if element else str
+        elif arg is bool:
+            kinds[bool] = None
+        elif arg is not type(None):
+            kinds[str] = None
+    return kinds
 
 
 def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, NoLoCoConfig]:
-    """A recipe YAML (first argument, optional) plus ``--key value`` overrides; unknown keys are errors.
+    """A recipe plus ``--key value`` overrides, as the three settings dataclasses.
+
+    Everything is checked before the process group is joined (building ``NoLoCoConfig`` joins it when
+    launched): a bad setting fails the same way on every rank, and needs no peer.
 
     Raises:
-        ConfigError (a ValueError) for anything wrong with the recipe or the overrides, naming the option,
-        before any process group, tokenizer or dataset work starts where possible.
+        ValueError (a :class:`ConfigError` for the command line itself) naming the bad option.
     """
-    parser = _Parser((ModelArguments, DataArguments, NoLoCoConfig))
-    cli: list[str] = []
-    if argv and argv[0].endswith((".yaml", ".yml")):
-        cli = _recipe_to_cli(argv[0], parser)
-        argv = argv[1:]
-    # Everything is checked before the dataclasses are built: under a launch, building NoLoCoConfig joins the
-    # process group, and an error before that needs no peer and cannot hang.
-    values, unknown = parser.parse_known_args(cli + list(argv))
-    if unknown:
-        if not unknown[0].startswith("-"):
-            raise ConfigError(
-                f"Unexpected argument {unknown[0]!r}: give a recipe .yaml file first, then --key value overrides."
-            )
-        raise ConfigError(f"Unknown options: {' '.join(unknown)}. `hf-noloco-train --help` lists the valid ones.")
-    _check_values(values)
-    model_args, data_args, config = parser.parse_args_into_dataclasses(args=cli + list(argv))
-    return model_args, data_args, config
+    parser = NoLoCoArgumentParser()
+    namespace = parser.parse(argv)
+    model_args = parser.build(ModelArguments, namespace)
+    data_args = parser.build(DataArguments, namespace)
+    check_config(namespace)  # what NoLoCoConfig checks, before it joins the process group
+    if model_args.model_config is not None:
+        check_model_config(model_args.model_config, namespace)
+    return model_args, data_args, parser.build(NoLoCoConfig, namespace)
 
 
-def _recipe_to_cli(path: str, parser) -> list[str]:
-    """The recipe's ``key: value`` pairs as ``--key value`` arguments, checked against the options' shapes."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"Recipe file {path!r} does not exist.")
-    try:
-        with open(path) as f:
-            recipe = yaml.safe_load(f)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{path} is not valid YAML{line}: {problem}.") from None
-    recipe = {} if recipe is None else recipe
-    if not isinstance(recipe, dict):
-        raise ConfigError(f"{path} must hold a mapping of option names to values, got a {type(recipe).__name__}.")
-    cli = []
-    for key, value in recipe.items():
-        action = parser._option_string_actions.get(f"--{key}") if isinstance(key, str) else None
-        if action is None:
-            raise ConfigError(f"{path}: unknown option {key!r}. `hf-noloco-train --help` lists the valid ones.")
-        cli += _to_cli(key, value, action, path)
-    return cli
-
-
-def _to_cli(key: str, value, action, path: str) -> list[str]:
-    if value is None:
-        return []  # `key:` with nothing after it keeps the default
-    if isinstance(value, dict):
-        if action.type is not str:
-            raise ConfigError(f"{path}: {key} takes a single value, got a mapping {value!r}.")
-        return [f"--{key}", json.dumps(value)]
-    if isinstance(value, list):
-        if any(isinstance(v, (list, dict)) for v in value):
-            raise ConfigError(f"{path}: {key} must be a list of plain values, got {value!r}.")
-        if action.nargs in ("+", "*"):
-            return [f"--{key}", *[str(v) for v in value]]
-        if key == "report_to" and len(value) == 1:
-            return [f"--{key}={value[0]}"]
-        raise ConfigError(f"{path}: {key} takes one value, got the list {value!r}.")
-    if isinstance(value, bool) and action.choices and "no" in action.choices:
-        # YAML 1.1 reads a bare `no` as False: `eval_strategy: no` means the choice "no".
-        return [f"--{key}={'yes' if value else 'no'}"]
-    # --key=value: a negative number in scientific notation (-1e-8) would otherwise read as an option.
-    return [f"--{key}={value}"]
-
-
-def _check_values(v) -> None:
-    """Settings that would otherwise fail late (after tokenizer training and dataset preparation) or deep inside
-    torch, numpy or the Trainer with a message that does not name them. ``v``: the parsed options."""
-    if (v.model_name_or_path is None) == (v.model_config is None):
-        raise ConfigError("Give exactly one of model_name_or_path (fine-tune) or model_config (pretrain from scratch).")
-    if v.block_size < 2:
-        raise ConfigError(f"block_size must be at least 2, got {v.block_size}.")
-    for name in ("max_train_samples", "preprocessing_num_proc"):
-        value = getattr(v, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value}.")
-    if not 0 <= v.validation_split_percentage < 100:
-        raise ConfigError(f"validation_split_percentage must be in [0, 100), got {v.validation_split_percentage}.")
-    path = os.path.expanduser(v.dataset_name)
-    if v.dataset_name != BUILTIN_DATASET and _looks_like_local_path(path) and not os.path.exists(path):
-        raise ConfigError(f"dataset_name: no such file or folder {v.dataset_name!r}.")
-
-    kwargs = v.lr_scheduler_kwargs
-    if isinstance(kwargs, str) and kwargs.strip():
-        try:
-            parsed = json.loads(kwargs)
-        except json.JSONDecodeError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise ConfigError(f"lr_scheduler_kwargs must be a JSON object such as '{{\"num_cycles\": 2}}', got {kwargs!r}.")
-    _check_report_to(v.report_to)
-    if v.push_to_hub:
-        from .hub import check_hub_settings
-
-        check_hub_settings(True, v.hub_model_id, v.hub_token)
-    resume = v.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() not in ("true", "last") and not os.path.isdir(resume):
-        raise ConfigError(f"resume_from_checkpoint: no such checkpoint folder {resume!r}.")
-    if v.model_config is not None:
-        if v.tokenizer_name_or_path is None and v.tokenizer_vocab_size < 259:
-            raise ConfigError(
-                f"tokenizer_vocab_size must be at least 259 for a byte-level BPE tokenizer, got {v.tokenizer_vocab_size}."
-            )
-        _check_model_config(v.model_config, v.pipeline_stages, v.stage_boundaries, v.stage_balance)
-
-
-def _check_report_to(report_to: str | None) -> None:
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-
-    names = [] if report_to in (None, "none", "all") else [report_to]
-    unknown = [name for name in names if name not in INTEGRATION_TO_CALLBACK]
-    if unknown:
-        raise ConfigError(
-            f"report_to: unknown integration {unknown[0]!r}; use none, all, or one of "
-            f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}."
-        )
-
-
-def _model_config_values(spec: str) -> dict:
-    """model_config as a dict: a config.json path or a JSON object with a model_type."""
-    if os.path.isfile(spec):
-        try:
-            with open(spec) as f:
-                values = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"model_config: {spec} is not a readable JSON file ({exc}).") from None
-    else:
-        try:
-            values = json.loads(spec)
-        except json.JSONDecodeError:
-            raise ConfigError(f"model_config is neither a config.json path nor a JSON dict: {spec!r}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"model_config must be a mapping of config fields (with a model_type), got {spec!r}.")
-    if "model_type" not in values:
-        raise ConfigError("model_config needs a model_type (e.g. llama, mistral, qwen2).")
-    return values
-
-
-_MODEL_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings", "head_dim")
-
-
-def _check_model_config(
-    spec: str, pipeline_stages: int, stage_boundaries: list[int] | None, stage_balance: str = "layers"
-) -> None:
+def check_model_config(values: dict, settings) -> None:
     """Builds the model on the meta device (no memory) and splits it as the trainer will: an unknown
-    model_type, impossible sizes, a non-Llama architecture, stage boundaries outside the layers or tied
-    embeddings over several stages all fail here, naming the setting."""
+    ``model_type``, impossible sizes, a non-Llama architecture or stage boundaries outside the layers fail
+    here,
+    naming the setting."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from .partition import check_llama_layout, split_model
 
-    values = _model_config_values(spec)
-    for name in _MODEL_SIZES:
-        value = values.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"model_config: {name} must be a positive integer, got {value!r}.")
-    try:
-        model_config = AutoConfig.for_model(**values)
-    except Exception as exc:  # noqa: BLE001 - transformers' config validators raise several types
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        message = lines[-1] if lines else type(exc).__name__
-        if "Unrecognized model identifier" in str(exc):
-            message = f"unknown model_type {values['model_type']!r} (Llama-family types: llama, mistral, qwen2, qwen3)"
-        raise ConfigError(f"model_config: {message}") from None
-    heads, kv_heads = getattr(model_config, "num_attention_heads", None), getattr(model_config, "num_key_value_heads", None)
-    hidden, head_dim = getattr(model_config, "hidden_size", None), getattr(model_config, "head_dim", None)
+    config = _auto_config(values)
+    heads, kv_heads = (
+        getattr(config, "num_attention_heads", None),
+        getattr(config, "num_key_value_heads", None),
+    )
+    hidden, head_dim = getattr(config, "hidden_size", None), getattr(config, "head_dim", None)
     if heads and hidden and head_dim is None and hidden % heads:
-        raise ConfigError(f"model_config: hidden_size={hidden} is not a multiple of num_attention_heads={heads}.")
+        raise ValueError(
+            f"model_config: hidden_size={hidden} is not a multiple of num_attention_heads={heads}."
+        )
     if heads and kv_heads and heads % kv_heads:
-        raise ConfigError(
+        raise ValueError(
             f"model_config: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}."
         )
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config)
+            model = AutoModelForCausalLM.from_config(config)
     except (ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"model_config: {str(exc).splitlines()[0]}") from None
+        raise ValueError(f"model_config: {str(exc).splitlines()[0]}") from None
     check_llama_layout(model)
-    if pipeline_stages >= 1:  # otherwise NoLoCoConfig names the problem
-        split_model(model, 0, pipeline_stages, stage_boundaries, stage_balance)
+    split_model(model, 0, settings.pipeline_stages, settings.stage_boundaries, settings.stage_balance)
+
+
+def _auto_config(values: dict):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(**values)
+    except Exception as exc:  # noqa: BLE001 - transformers' config validators raise several types
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        message = lines[-1] if lines else type(exc).__name__
+        if "Unrecognized model identifier" in str(exc):
+            family = "llama, mistral, qwen2, qwen3"
+            message = f"unknown model_type {values['model_type']!r} (Llama-family types: {family})"
+        raise ValueError(f"model_config: {message}") from None
 
 
 def _model_config(model_args: ModelArguments, tokenizer):
-    from transformers import AutoConfig
-
-    values = _model_config_values(model_args.model_config)
-    config = AutoConfig.from_pretrained(model_args.model_config) if os.path.isfile(model_args.model_config) \
-        else AutoConfig.for_model(**values)
+    """The from-scratch model's config, with the tokenizer's vocabulary and special tokens."""
+    config = _auto_config(model_args.model_config)
     config.vocab_size = len(tokenizer)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
     )
     return config
 
 
-def _tokenizer(model_args, data_args, config: NoLoCoConfig):
+def _tokenizer(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoConfig):
     from transformers import AutoTokenizer
 
     from .data import load_splits, train_bpe_tokenizer
@@ -295,9 +276,16 @@ def _tokenizer(model_args, data_args, config: NoLoCoConfig):
     folder = os.path.join(config.output_dir, "tokenizer")
     with config.main_process_first(desc="tokenizer"):
         if config.process_index == 0:
-            train_docs, _ = load_splits(data_args.dataset_name, data_args.dataset_config, data_args.text_column,
-                                        data_args.validation_split_percentage, seed=config.seed)
-            return train_bpe_tokenizer(train_docs[data_args.text_column], model_args.tokenizer_vocab_size, folder)
+            train_docs, _ = load_splits(
+                data_args.dataset_name,
+                data_args.dataset_config,
+                data_args.text_column,
+                data_args.validation_split_percentage,
+                seed=config.seed,
+            )
+            return train_bpe_tokenizer(
+                train_docs[data_args.text_column], model_args.tokenizer_vocab_size, folder
+            )
     return AutoTokenizer.from_pretrained(folder)
 
 
@@ -306,10 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     HF_NOLOCO_TRACEBACK=1 shows the traceback instead."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        try:
-            model_args, data_args, config = parse_args(argv)
-        except ValueError as exc:  # argparse, TrainingArguments and our checks: all about the given settings
-            raise ConfigError(str(exc)) from exc
+        model_args, data_args, config = parse_args(argv)
         train(model_args, data_args, config)
     except (ValueError, FileNotFoundError) as exc:
         if os.environ.get("HF_NOLOCO_TRACEBACK") or not _is_user_error(exc):
@@ -325,14 +310,18 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _is_user_error(exc: BaseException) -> bool:
-    """A ConfigError, or an error raised by hf_noloco's own checks (its messages are written for users). A
-    ValueError from deep inside torch or transformers is a bug or an unforeseen case: keep its traceback."""
+    """An error raised by hf_noloco's own checks, argparse's or TrainingArguments' (their messages are written
+    for users). A ValueError from deep inside torch or transformers is a bug or an unforeseen case: keep its
+    traceback."""
     if isinstance(exc, ConfigError):
         return True
     tb = exc.__traceback__
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == os.path.dirname(os.path.abspath(__file__))
+    raiser = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    return os.path.dirname(raiser) == os.path.dirname(os.path.abspath(__file__)) or raiser.endswith(
+        os.path.join("transformers", "training_args.py")
+    )
 
 
 def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoConfig) -> None:
@@ -346,14 +335,24 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
     tokenizer = _tokenizer(model_args, data_args, config)
     with config.main_process_first(desc="dataset"):
         train_set, eval_set = prepare_datasets(
-            data_args.dataset_name, tokenizer, data_args.block_size, data_args.dataset_config, data_args.text_column,
-            data_args.validation_split_percentage, data_args.preprocessing_num_proc, data_args.max_train_samples,
+            data_args.dataset_name,
+            tokenizer,
+            data_args.block_size,
+            data_args.dataset_config,
+            data_args.text_column,
+            data_args.validation_split_percentage,
+            data_args.preprocessing_num_proc,
+            data_args.max_train_samples,
             seed=config.seed,
         )
     model = model_args.model_name_or_path or _model_config(model_args, tokenizer)
     trainer = NoLoCoTrainer(
-        model, config, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer,
-        dataset_name=data_args.dataset_name,
+        model,
+        config,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        processing_class=tokenizer,
+        data_args=data_args,
     )
     resume = config.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
@@ -366,7 +365,10 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
         trainer.save_model()
         url = None
     if trainer.is_world_process_zero():
-        print(f"\nFinal eval perplexity {metrics['eval_perplexity']:.2f} after {trainer.state.global_step} steps.")
+        print(
+            f"\nFinal eval perplexity {metrics['eval_perplexity']:.2f} after {trainer.state.global_step} "
+            "steps."
+        )
         print(f"Model, tokenizer and model card: {os.path.abspath(config.output_dir)}")
         print(f"Training curves: {os.path.join(os.path.abspath(config.output_dir), 'training_curves.png')}")
         if os.environ.get("WANDB_MODE") == "offline" and "wandb" in config.report_to:

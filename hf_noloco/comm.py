@@ -1,4 +1,9 @@
-"""Point-to-point messages with a deadline: a peer that never answers is an error that names it, not a hang."""
+"""Messages with a deadline, and the flat buffers they carry.
+
+A peer that never answers is an error that names it, not a hang: every wait here is bounded. Tensors travel
+in flat buffers, built from consecutive tensors (:func:`consecutive_buckets`, :func:`flatten`) and copied back
+(:func:`unflatten_into`), one message per bucket instead of one per tensor.
+"""
 
 from __future__ import annotations
 
@@ -32,13 +37,15 @@ def exchange(
     if not ops:
         return []
     works = dist.batch_isend_irecv(ops)
-    send_works, recv_works = works[: len(sends)], works[len(sends):]
+    send_works, recv_works = works[: len(sends)], works[len(sends) :]
     for work, (_, peer) in zip(recv_works, recvs):
         _wait(work, timeout, f"receiving from {describe_peer(peer)}", context)
     return list(zip(send_works, [peer for _, peer in sends]))
 
 
-def wait_sends(pending, timeout: float, describe_peer: Callable[[int], str] = lambda r: f"rank {r}", context=""):
+def wait_sends(
+    pending, timeout: float, describe_peer: Callable[[int], str] = lambda r: f"rank {r}", context=""
+):
     for work, peer in pending:
         _wait(work, timeout, f"sending to {describe_peer(peer)}", context)
 
@@ -47,7 +54,9 @@ def _wait(work: dist.Work, timeout: float, action: str, context: str) -> None:
     try:
         completed = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as exc:  # gloo: timeout or a closed connection (the peer died)
-        raise PeerError(f"{context}: failed {action} within p2p_timeout={timeout:g}s ({exc})".lstrip(": ")) from exc
+        raise PeerError(
+            f"{context}: failed {action} within p2p_timeout={timeout:g}s ({exc})".lstrip(": ")
+        ) from exc
     if completed is False:
         raise PeerError(f"{context}: timed out {action} after p2p_timeout={timeout:g}s".lstrip(": "))
 
@@ -62,13 +71,13 @@ class PeerWatch:
     """Tells, after a communication failure, which peers are gone, and keeps the job's first failure.
 
     A gloo/NCCL collective that fails says only that "a connection closed" or "timed out", not which rank was
-    lost. So each rank stamps a counter in the rendezvous store every ``interval`` seconds from a daemon thread
-    (the store is hosted by the launcher's agent under torchrun/accelerate, so it outlives any worker). A rank
-    whose communication fails marks itself as failing, then watches the counters for ``3 * interval``: the
-    peers whose counter did not move and that are not failing themselves are lost (killed, crashed, frozen or
-    cut off). The first failing rank stores its diagnosis; ranks that fail after it (their peer is gone) just
-    read it, so every rank's error names the lost peer. All of this is best effort: without a reachable store
-    (e.g. it lived in a rank that died) the errors are the plain ones.
+    lost. So each rank stamps a counter in the rendezvous store every ``interval`` seconds from a daemon
+    thread (the store is hosted by the launcher's agent under torchrun/accelerate, so it outlives any worker).
+    A rank whose communication fails marks itself as failing, then watches the counters for ``3 * interval``:
+    the peers whose counter did not move and that are not failing themselves are lost (killed, crashed, frozen
+    or cut off). The first failing rank stores its diagnosis; ranks that fail after it (their peer is gone)
+    just read it, so every rank's error names the lost peer. All of this is best effort: without a reachable
+    store (e.g. it lived in a rank that died) the errors are the plain ones.
     """
 
     def __init__(self, rank: int, world_size: int, interval: float = 0.5):
@@ -96,10 +105,12 @@ class PeerWatch:
     def close(self) -> None:
         self._stop.set()
 
-    def diagnose(self, message: str, describe: Callable[[int], str], find_lost: bool = True,
-                 timeout: float = 5.0) -> str | None:
-        """Records ``message`` (this rank's failure) and returns the job's first failure: ``message`` (plus the
-        lost peers, with ``find_lost``) when this rank is the first, another rank's record otherwise; ``None``
+    def diagnose(
+        self, message: str, describe: Callable[[int], str], find_lost: bool = True, timeout: float = 5.0
+    ) -> str | None:
+        """Records ``message`` (this rank's failure) and returns the job's first failure: ``message`` (plus
+        the lost peers, with ``find_lost``) when this rank is the first, another rank's record otherwise;
+        ``None``
         without a store."""
         if self.store is None:
             return None
@@ -121,8 +132,26 @@ class PeerWatch:
         before = beats()
         time.sleep(3 * self.interval)
         after = beats()
-        return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]
-                and not self.store.check([f"{self._prefix}/failing/{r}"])]
+        return [
+            r
+            for r in range(self.world_size)
+            if r != self.rank
+            and after[r] == before[r]
+            and not self.store.check([f"{self._prefix}/failing/{r}"])
+        ]
+
+
+def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One new 1-D buffer holding ``tensors`` one after the other (in ``dtype``, default their own)."""
+    return torch.cat([t.detach().reshape(-1).to(dtype or t.dtype) for t in tensors])
+
+
+def unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copies consecutive slices of ``flat`` back into ``tensors`` (the inverse of :func:`flatten`)."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def consecutive_buckets(sizes: Sequence[int], limit: float) -> list[list[int]]:

@@ -1,28 +1,291 @@
-"""NoLoCoConfig: TrainingArguments plus the pipeline, routing and outer-optimizer settings."""
+"""Every setting of a NoLoCo run: its allowed values, its paper default and its check, each written once.
+
+- :class:`NoLoCoConfig`: ``TrainingArguments`` plus the pipeline, routing and outer-optimizer settings.
+- :class:`ModelArguments`, :class:`DataArguments`: what ``hf-noloco-train`` adds (which model, which text).
+- :class:`OuterSettings`: the outer optimizer's settings, resolved (paper defaults filled in) and checked,
+  as the engine receives them.
+
+Settings flow one way: this module imports no part of the engine. The engine imports the allowed values and
+the check functions from here, so a direct Python user of ``PipelineEngine`` or ``OuterOptimizer`` gets the
+same error, from the same line, as a recipe user. A field's ``--help`` text is its entry in the class
+docstring (:func:`_help_from_docstring`): one text, two places to read it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import json
+import math
 import os
-from dataclasses import dataclass, field
+import re
+import types
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from transformers import TrainingArguments
 
-from .gossip import OUTER_METHODS, resolve_outer_defaults, validate_outer_settings
-from .partition import STAGE_BALANCES
-from .pipeline import SCHEDULES
-from .routing import ROUTING_GRANULARITIES
+# ----------------------------------------------------------------------------------------------------------
+# Allowed values
+# ----------------------------------------------------------------------------------------------------------
 
-OUTER_DTYPES = ("float32", "bfloat16")
-NONFINITE_ACTIONS = ("error", "skip")
+Routing = Literal["sample", "step", "fixed"]
+PipelineSchedule = Literal["1f1b", "gpipe"]
+StageBalance = Literal["layers", "compute"]
+OuterMethod = Literal["noloco", "diloco", "ddp", "local"]
+OuterDtype = Literal["float32", "bfloat16"]
+NonfiniteAction = Literal["error", "skip"]
+
+ROUTINGS: tuple[str, ...] = get_args(Routing)
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+STAGE_BALANCES: tuple[str, ...] = get_args(StageBalance)
+OUTER_METHODS: tuple[str, ...] = get_args(OuterMethod)
+OUTER_DTYPES: tuple[str, ...] = get_args(OuterDtype)
+NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonfiniteAction)
+
+# Methods with an outer step every `inner_steps` (ddp and local have no outer hyperparameters).
+OUTER_STEP_METHODS = ("noloco", "diloco")
+
+# The paper's defaults (Section 4). gamma (outer_averaging) is not stated in the paper; the official code uses
+# gamma = beta, written here as None and resolved to outer_lr.
+PAPER_DEFAULTS: dict[str, dict[str, float | int | None]] = {
+    "noloco": {"inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.5},
+    "diloco": {"inner_steps": 100, "outer_lr": 0.7, "outer_momentum": 0.3},
+}
+
+BUILTIN_DATASET = "builtin:python-docs"
+DATA_FILE_EXTENSIONS = (".txt", ".json", ".jsonl", ".parquet")
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Checks shared by the settings and the engine
+# ----------------------------------------------------------------------------------------------------------
+
+
+def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}.")
+
+
+def check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def mesh_shape(world_size: int, pipeline_stages: int) -> tuple[int, int]:
+    """``(num_replicas, num_stages)`` for ``world_size`` processes, or a clear error."""
+    check_positive_int("pipeline_stages", pipeline_stages)
+    if world_size % pipeline_stages:
+        raise ValueError(
+            f"The world size ({world_size} processes) is not divisible by pipeline_stages={pipeline_stages}: "
+            f"launch a multiple of {pipeline_stages} processes (num_replicas x pipeline_stages)."
+        )
+    return world_size // pipeline_stages, pipeline_stages
+
+
+def check_stage_boundaries(boundaries, num_stages: int, num_layers: int | None = None) -> None:
+    """``boundaries`` lists the first decoder layer of stages 1..num_stages-1; with ``num_layers``, also
+    checks
+    that every stage gets at least one layer."""
+    if boundaries is None:
+        return
+    if len(boundaries) != num_stages - 1:
+        raise ValueError(
+            f"stage_boundaries must list the first layer of stages 1..{num_stages - 1} "
+            f"({num_stages - 1} numbers), got {list(boundaries)}."
+        )
+    if num_layers is None:
+        return
+    starts = [0, *boundaries]
+    if any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= num_layers:
+        raise ValueError(
+            f"stage_boundaries {list(boundaries)} do not split layers 0..{num_layers - 1} into {num_stages} "
+            "non-empty stages: they must be strictly increasing, above 0 and below the layer count."
+        )
+
+
+def check_microbatch_size(rows: int, microbatch_size: int, what: str = "per_device_train_batch_size") -> None:
+    check_positive_int("microbatch_size", microbatch_size)
+    if rows % microbatch_size:
+        raise ValueError(f"{what} has {rows} rows, not a multiple of microbatch_size={microbatch_size}.")
+
+
+def check_export_replica(replica: int | None, num_replicas: int) -> None:
+    if replica is not None and not 0 <= replica < num_replicas:
+        raise ValueError(f"export_replica must be in [0, {num_replicas}), got {replica}.")
+
+
+def is_local_dataset_path(name: str) -> bool:
+    """Whether ``dataset_name`` means local files. Hub names are ``name`` or ``owner/name``; anything with a
+    file extension we read, or that starts like a filesystem path, is local, and must then exist (never fall
+    through
+    to the Hub)."""
+    return (
+        os.path.exists(os.path.expanduser(name))
+        or name.startswith(("/", ".", "~"))
+        or os.path.splitext(name)[1].lower() in DATA_FILE_EXTENSIONS
+        or name.count("/") > 1
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Outer optimizer
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    """The outer optimizer's settings as :class:`~hf_noloco.outer.OuterOptimizer` receives them.
+
+    ``None`` hyperparameters become the paper's default for ``method`` (gamma: equal to beta), then every
+    value is checked. ``ddp`` and ``local`` have no outer step: their hyperparameters stay ``None`` and are
+    unused. Ranges: ``inner_steps`` >= 1; ``0 < outer_lr <= 2`` and ``0 <= outer_averaging <= 2`` (above 2 a
+    pull towards the group mean overshoots by more than the distance it closes, so replicas drift apart);
+    ``0 <= outer_momentum < 1`` (heavy-ball momentum of 1 or more never forgets).
+
+    Attributes:
+        method: ``"noloco"``, ``"diloco"``, ``"ddp"`` or ``"local"``.
+        inner_steps, outer_lr, outer_momentum, outer_averaging: H, beta, alpha, gamma.
+        group_size: n, replicas averaged together at a noloco outer step (2: pairs).
+        dtype: what crosses the network at an outer step (``"bfloat16"`` halves the bytes; the outer state
+            itself stays float32).
+        offload: keep the slow weights and the momentum on the CPU.
+        seed: shared by every rank; draws the gossip groups.
+    """
+
+    method: OuterMethod = "noloco"
+    inner_steps: int | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    outer_averaging: float | None = None
+    group_size: int = 2
+    dtype: OuterDtype = "float32"
+    offload: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        check_choice("outer_optimizer", self.method, OUTER_METHODS)
+        check_choice("outer_dtype", self.dtype, OUTER_DTYPES)
+        if not self.has_outer_step:
+            return
+        if self.method != "noloco" and self.outer_averaging is not None:
+            raise ValueError("outer_averaging (gamma) only applies to outer_optimizer='noloco'.")
+        defaults = PAPER_DEFAULTS[self.method]
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        if self.method == "noloco" and self.outer_averaging is None:
+            object.__setattr__(self, "outer_averaging", self.outer_lr)
+        if (
+            isinstance(self.inner_steps, bool)
+            or not isinstance(self.inner_steps, int)
+            or self.inner_steps < 1
+        ):
+            raise ValueError(
+                "inner_steps (H, inner steps per outer step) must be a positive integer, got "
+                f"{self.inner_steps!r}."
+            )
+        if not (math.isfinite(self.outer_lr) and 0 < self.outer_lr <= 2):
+            raise ValueError(
+                f"outer_lr (beta) must be in (0, 2], got {self.outer_lr!r} (the paper uses 0.7)."
+            )
+        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
+            raise ValueError(
+                f"outer_momentum (alpha) must be in [0, 1), got {self.outer_momentum!r} "
+                f"(the paper uses {defaults['outer_momentum']})."
+            )
+        if self.method == "noloco":
+            if not (math.isfinite(self.outer_averaging) and 0 <= self.outer_averaging <= 2):
+                raise ValueError(
+                    f"outer_averaging (gamma) must be in [0, 2], got {self.outer_averaging!r} "
+                    "(the official code uses gamma = outer_lr)."
+                )
+            if (
+                isinstance(self.group_size, bool)
+                or not isinstance(self.group_size, int)
+                or self.group_size < 2
+            ):
+                raise ValueError(
+                    "gossip_group_size must be an integer >= 2 (a replica and at least one partner), "
+                    f"got {self.group_size!r}."
+                )
+
+    @property
+    def has_outer_step(self) -> bool:
+        return self.method in OUTER_STEP_METHODS
+
+    @property
+    def sends_slow_weights(self) -> bool:
+        """With gamma == beta the slow weights cancel out of the update: only fast weights travel."""
+        return self.method == "noloco" and self.outer_averaging != self.outer_lr
+
+    def check_replicas(self, num_replicas: int) -> None:
+        """Refuses a mesh this method cannot run on."""
+        if self.method != "noloco":
+            return
+        if num_replicas < 2:
+            raise ValueError(
+                "outer method 'noloco' needs at least 2 replicas per stage: with a single replica there is "
+                "no "
+                "partner to average with. Use outer_optimizer='local' (no sync) instead, or launch more "
+                "processes."
+            )
+        if self.group_size > num_replicas:
+            raise ValueError(
+                f"gossip_group_size={self.group_size} is larger than the {num_replicas} replicas per stage: "
+                "use "
+                f"at most {num_replicas}."
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Help texts from docstrings
+# ----------------------------------------------------------------------------------------------------------
+
+_DOC_ENTRY = re.compile(r"^(\w+) \(.*\):$")
+
+
+def docstring_entries(doc: str) -> dict[str, str]:
+    """``{name: description}`` of a docstring's ``Parameters:`` entries (``name (`type`, ...):`` then an
+    indented
+    description), each description joined into one paragraph."""
+    entries: dict[str, str] = {}
+    name, indent = None, 0
+    for line in inspect.cleandoc(doc or "").splitlines():
+        stripped = line.strip()
+        match = _DOC_ENTRY.match(stripped)
+        if match:
+            name, indent = match.group(1), len(line) - len(line.lstrip())
+            entries[name] = ""
+        elif name is not None and stripped and len(line) - len(line.lstrip()) > indent:
+            entries[name] = f"{entries[name]} {stripped}".strip()
+        elif stripped:
+            name = None
+    return entries
+
+
+def _help_from_docstring(cls):
+    """Gives every field documented in ``cls``'s docstring that entry as its ``--help`` text."""
+    entries = docstring_entries(cls.__doc__)
+    for f in dataclasses.fields(cls):
+        if f.name in entries and f.name in cls.__annotations__:  # fields declared here, not inherited ones
+            f.metadata = types.MappingProxyType({**f.metadata, "help": entries[f.name]})
+    return cls
+
+
+# ----------------------------------------------------------------------------------------------------------
+# NoLoCoConfig
+# ----------------------------------------------------------------------------------------------------------
+
+
+@_help_from_docstring
 @dataclass
 class NoLoCoConfig(TrainingArguments):
     r"""
     Configuration for [`NoLoCoTrainer`]: everything [`~transformers.TrainingArguments`] has, plus the settings
-    below. ``per_device_train_batch_size`` is the batch of one replica column (every stage of a column sees the
-    same batch); the global batch is that times the number of replicas.
+    below. ``per_device_train_batch_size`` is the batch of one replica column (every stage of a column sees
+    the same batch); the global batch is that times the number of replicas.
 
     Parameters:
         > Pipeline
@@ -38,27 +301,27 @@ class NoLoCoConfig(TrainingArguments):
             decoder layers (earlier stages take the remainder: 10 layers over 3 stages is 4/3/3); `"compute"`
             balances the stages' estimated compute, counting the last stage's `lm_head` (parameter counts:
             multiply-adds per token). The slowest stage sets the pipeline's pace, and `lm_head` costs about
-            `vocab_size / (12 * hidden_size)` decoder layers (1.3 for a 4096-word vocabulary at hidden size 256,
-            2.4 for Llama-3-8B), so `"compute"` is usually faster; it moves layers off the last stage.
+            `vocab_size / (12 * hidden_size)` decoder layers (1.3 for a 4096-word vocabulary at hidden size
+            256, 2.4 for Llama-3-8B), so `"compute"` is usually faster; it moves layers off the last stage.
         microbatch_size (`int` or `None`, *optional*, defaults to `None`):
             Rows per pipeline microbatch; must divide `per_device_train_batch_size`. `None` picks the largest
             divisor giving at least `2 * pipeline_stages` microbatches (1 if none does), which keeps the
             pipeline bubble small.
         pipeline_schedule (`str`, *optional*, defaults to `"1f1b"`):
             Order of forwards and backwards within a step: `"1f1b"` (a stage holds the activations of at most
-            `pipeline_stages - stage` microbatches) or `"gpipe"` (all forwards, then all backwards; holds every
-            microbatch). Both give the same gradients.
+            `pipeline_stages - stage` microbatches) or `"gpipe"` (all forwards, then all backwards; holds
+            every microbatch). Both give the same gradients.
         p2p_timeout (`float`, *optional*, defaults to `300`):
             Seconds to wait for a peer's message before failing with an error that names it. It also bounds
             every collective of the training loop (the trainer sets its process groups' timeout to it), so a
-            lost rank stops the whole job within about this time. The set-up before training, checkpoint saving
-            and the export wait up to `ddp_timeout` instead (at least `p2p_timeout`): file I/O and uploads may
-            take longer.
+            lost rank stops the whole job within about this time. The set-up before training, checkpoint
+            saving and the export wait up to `ddp_timeout` instead (at least `p2p_timeout`): file I/O and
+            uploads may take longer.
         nonfinite (`str`, *optional*, defaults to `"error"`):
-            What a non-finite (NaN/inf) loss or gradient does: `"error"` stops the run with an error naming the
-            step, stage and replica (checkpoints already written stay intact; resume from the last one), `"skip"`
-            drops that step's gradients, so the optimizer leaves the weights and its state untouched, logs a
-            warning and goes on. Every stage of the affected replica column takes the same decision.
+            What a non-finite (NaN/inf) loss or gradient does: `"error"` stops the run with an error naming
+            the step, stage and replica (checkpoints already written stay intact; resume from the last one),
+            `"skip"` drops that step's gradients, so the optimizer leaves the weights and its state untouched,
+            logs a warning and goes on. Every stage of the affected replica column takes the same decision.
 
         > Routing
 
@@ -75,16 +338,17 @@ class NoLoCoConfig(TrainingArguments):
             `"noloco"` (random-partner averaging with modified Nesterov momentum), `"diloco"` (all-reduce of
             pseudo-gradients), `"ddp"` (gradients all-reduced every step) or `"local"` (no sync at all).
         inner_steps (`int` or `None`, *optional*, defaults to `None`):
-            H, inner optimizer steps per outer step. `None`: the paper's default (50 for noloco, 100 for diloco).
+            H, inner optimizer steps per outer step. `None`: the paper's default (50 for noloco, 100 for
+            diloco).
         outer_lr (`float` or `None`, *optional*, defaults to `None`):
-            beta, the outer learning rate. `None`: 0.7.
+            beta, the outer learning rate, in (0, 2]. `None`: 0.7.
         outer_momentum (`float` or `None`, *optional*, defaults to `None`):
-            alpha, the outer momentum. `None`: 0.5 for noloco, 0.3 for diloco.
+            alpha, the outer momentum, in [0, 1). `None`: 0.5 for noloco, 0.3 for diloco.
         outer_averaging (`float` or `None`, *optional*, defaults to `None`):
-            gamma, the pull of slow weights towards the group mean (noloco only). `None`: equal to `outer_lr`,
-            in which case only fast weights cross the network.
+            gamma, the pull of slow weights towards the group mean (noloco only), in [0, 2]. `None`: equal to
+            `outer_lr`, in which case only fast weights cross the network.
         gossip_group_size (`int`, *optional*, defaults to `2`):
-            n, replicas averaged together at a noloco outer step.
+            n, replicas averaged together at a noloco outer step (at most the number of replicas).
         outer_dtype (`str`, *optional*, defaults to `"float32"`):
             Precision of the weights sent in an outer step: `"float32"` or `"bfloat16"` (half the bytes). The
             outer state itself (slow weights, momentum) always stays float32.
@@ -97,77 +361,55 @@ class NoLoCoConfig(TrainingArguments):
             Compute the exact replica divergence (an all-reduce of the weights) every this many steps, at a
             logging step. `None`: at every evaluation.
         export_replica (`int` or `None`, *optional*, defaults to `None`):
-            What `save_model` exports: `None` the consensus (mean of each stage's replicas), or one replica's weights.
+            What `save_model` exports: `None` the consensus (mean of each stage's replicas), or one replica's
+            weights.
+        average_tokens_across_devices (`bool`, *optional*, defaults to `False`):
+            Must stay `False`: ranks hold different pipeline stages, and the last stage already weights each
+            sample by the target tokens of its replica's batch.
+        dataloader_drop_last (`bool`, *optional*, defaults to `True`):
+            Drop the last incomplete training batch: every replica must see full batches of the same shape.
     """
 
-    pipeline_stages: int = field(default=1, metadata={"help": "Number of pipeline stages."})
-    stage_boundaries: list[int] | None = field(
-        default=None,
-        metadata={"help": "First decoder layer of stages 1..pipeline_stages-1; None: split as stage_balance says."},
-    )
-    stage_balance: str = field(
-        default="layers", metadata={"help": "Split without stage_boundaries: equal layers, or balanced compute.",
-                                    "choices": list(STAGE_BALANCES)}
-    )
-    microbatch_size: int | None = field(
-        default=None, metadata={"help": "Rows per pipeline microbatch; None picks one for a small bubble."}
-    )
-    pipeline_schedule: str = field(
-        default="1f1b", metadata={"help": "Pipeline schedule.", "choices": list(SCHEDULES)}
-    )
-    p2p_timeout: float = field(default=300.0, metadata={"help": "Seconds to wait for a peer before failing."})
-    nonfinite: str = field(
-        default="error", metadata={"help": "On a NaN/inf loss or gradient: stop with an error, or skip the step.",
-                                   "choices": list(NONFINITE_ACTIONS)}
-    )
-    routing: str = field(
-        default="sample", metadata={"help": "Replica routing between stages.", "choices": list(ROUTING_GRANULARITIES)}
-    )
-    routing_seed: int | None = field(default=None, metadata={"help": "Shared routing/gossip seed; None uses seed."})
-    outer_optimizer: str = field(
-        default="noloco", metadata={"help": "Replica synchronisation method.", "choices": list(OUTER_METHODS)}
-    )
-    inner_steps: int | None = field(default=None, metadata={"help": "H: inner steps per outer step."})
-    outer_lr: float | None = field(default=None, metadata={"help": "beta: outer learning rate."})
-    outer_momentum: float | None = field(default=None, metadata={"help": "alpha: outer momentum."})
-    outer_averaging: float | None = field(default=None, metadata={"help": "gamma: pull towards the group mean."})
-    gossip_group_size: int = field(default=2, metadata={"help": "n: replicas averaged together (noloco)."})
-    outer_dtype: str = field(
-        default="float32", metadata={"help": "Precision of the weights sent in an outer step.", "choices": list(OUTER_DTYPES)}
-    )
-    offload_outer_state: bool = field(default=False, metadata={"help": "Keep outer state on the CPU."})
-    divergence_steps: int | None = field(
-        default=None, metadata={"help": "Exact replica divergence every N steps; None: at evaluations."}
-    )
-    export_replica: int | None = field(
-        default=None, metadata={"help": "Export one replica instead of the consensus (replica mean)."}
-    )
-    # Changed defaults: stages hold different layers, so no token averaging over all ranks (see
-    # reference notes), and every replica must see full batches of the same shape.
-    average_tokens_across_devices: bool = field(
-        default=False, metadata={"help": "Must stay False: ranks hold different stages."}
-    )
-    dataloader_drop_last: bool = field(default=True, metadata={"help": "Drop the last incomplete batch."})
+    pipeline_stages: int = 1
+    stage_boundaries: list[int] | None = None
+    stage_balance: StageBalance = "layers"
+    microbatch_size: int | None = None
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    p2p_timeout: float = 300.0
+    nonfinite: NonfiniteAction = "error"
+    routing: Routing = "sample"
+    routing_seed: int | None = None
+    outer_optimizer: OuterMethod = "noloco"
+    inner_steps: int | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    outer_averaging: float | None = None
+    gossip_group_size: int = 2
+    outer_dtype: OuterDtype = "float32"
+    offload_outer_state: bool = False
+    divergence_steps: int | None = None
+    export_replica: int | None = None
+    # Changed defaults of TrainingArguments fields.
+    average_tokens_across_devices: bool = False
+    dataloader_drop_last: bool = True
 
     def __post_init__(self):
         if not self.use_cpu and not torch.cuda.is_available():
             # Accelerate only picks the gloo (MULTI_CPU) path when told to use the CPU; on a machine without
             # a GPU, launch configs written for GPUs must still work as written.
             self.use_cpu = True
-        # Validate first: TrainingArguments.__post_init__ initialises the process group when launched, and a
-        # bad setting must fail before that, on every rank alike.
-        self._validate()
+        # Checked first: TrainingArguments.__post_init__ joins the process group when launched, and a bad
+        # setting must fail before that, on every rank alike.
+        check_config(self)
         if self.routing_seed is None:
             self.routing_seed = self.seed
         self.ddp_timeout = max(int(self.ddp_timeout), int(self.p2p_timeout))
         super().__post_init__()
 
     @property
-    def outer_settings(self) -> dict:
-        """inner_steps, outer_lr, outer_momentum, outer_averaging with the method's paper defaults filled in."""
-        return resolve_outer_defaults(
-            self.outer_optimizer, self.inner_steps, self.outer_lr, self.outer_momentum, self.outer_averaging
-        )
+    def outer_settings(self) -> OuterSettings:
+        """The outer optimizer's settings, the paper's defaults filled in."""
+        return outer_settings_of(self)
 
     def resolved_microbatch_size(self) -> int:
         if self.microbatch_size is not None:
@@ -177,89 +419,250 @@ class NoLoCoConfig(TrainingArguments):
         divisors = [m for m in range(batch, 0, -1) if batch % m == 0 and batch // m >= wanted]
         return divisors[0] if divisors else 1
 
-    def _validate(self) -> None:
-        def positive_int(name):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
-        positive_int("pipeline_stages")
-        positive_int("per_device_train_batch_size")
-        positive_int("per_device_eval_batch_size")
-        if self.routing not in ROUTING_GRANULARITIES:
-            raise ValueError(f"Unknown routing {self.routing!r}: choose one of {', '.join(ROUTING_GRANULARITIES)}.")
-        if self.pipeline_schedule not in SCHEDULES:
-            raise ValueError(f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {self.pipeline_schedule!r}.")
-        if self.outer_dtype not in OUTER_DTYPES:
-            raise ValueError(f"outer_dtype must be one of {', '.join(OUTER_DTYPES)}, got {self.outer_dtype!r}.")
-        if self.nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_ACTIONS)}, got {self.nonfinite!r}.")
-        if not self.p2p_timeout > 0:
-            raise ValueError(f"p2p_timeout must be a positive number of seconds, got {self.p2p_timeout!r}.")
-        if self.microbatch_size is not None:
-            positive_int("microbatch_size")
-            if self.per_device_train_batch_size % self.microbatch_size:
-                raise ValueError(
-                    f"per_device_train_batch_size={self.per_device_train_batch_size} is not a multiple of "
-                    f"microbatch_size={self.microbatch_size}."
-                )
-        if self.divergence_steps is not None:
-            positive_int("divergence_steps")
-        if self.stage_boundaries is not None and len(self.stage_boundaries) != self.pipeline_stages - 1:
-            raise ValueError(
-                f"stage_boundaries must list the first layer of stages 1..{self.pipeline_stages - 1} "
-                f"({self.pipeline_stages - 1} numbers), got {self.stage_boundaries}."
-            )
-        # Values that torch's optimizers, numpy's seeding or the Trainer would refuse late, without naming them.
-        for name in ("learning_rate", "weight_decay", "adam_epsilon", "warmup_steps"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}.")
-        for name in ("seed", "data_seed"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < 2**32:
-                raise ValueError(f"{name} must be in [0, 2**32), got {value}.")
-        if self.max_steps <= 0 and not self.num_train_epochs > 0:
-            raise ValueError(
-                f"Nothing to train: max_steps={self.max_steps} and num_train_epochs={self.num_train_epochs}. "
-                "Set a positive max_steps or num_train_epochs."
-            )
-        for name in ("logging_steps", "eval_steps", "save_steps"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(
-                    f"{name} must be positive (a number of steps, or a fraction of the run below 1), got {value}."
-                )
-        if self.stage_balance not in STAGE_BALANCES:
-            raise ValueError(f"stage_balance must be one of {', '.join(STAGE_BALANCES)}, got {self.stage_balance!r}.")
-        if self.stage_boundaries is not None and self.stage_balance != "layers":
-            raise ValueError(
-                f"stage_boundaries={self.stage_boundaries} and stage_balance={self.stage_balance!r} both choose the "
-                "split: set only one."
-            )
-        if self.fp16:
-            raise ValueError("fp16 is not supported (the pipeline has no loss scaling): use bf16=True instead.")
-        if self.gradient_accumulation_steps != 1:
-            raise ValueError(
-                "gradient_accumulation_steps must be 1: the pipeline already accumulates over microbatches. "
-                "Raise per_device_train_batch_size (and set microbatch_size) instead."
-            )
-        if self.average_tokens_across_devices:
-            raise ValueError("average_tokens_across_devices must be False: ranks hold different pipeline stages.")
-        if self.load_best_model_at_end:
-            raise ValueError("load_best_model_at_end is not supported by NoLoCoTrainer.")
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size % self.pipeline_stages:
-            raise ValueError(
-                f"The world size ({world_size} processes) is not divisible by pipeline_stages="
-                f"{self.pipeline_stages}: launch a multiple of {self.pipeline_stages} processes."
-            )
-        num_replicas = world_size // self.pipeline_stages
-        validate_outer_settings(
-            self.outer_optimizer, num_replicas, self.gossip_group_size, self.inner_steps, self.outer_lr,
-            self.outer_momentum, self.outer_averaging,
+def outer_settings_of(c) -> OuterSettings:
+    seed = c.routing_seed if c.routing_seed is not None else c.seed
+    return OuterSettings(
+        method=c.outer_optimizer,
+        inner_steps=c.inner_steps,
+        outer_lr=c.outer_lr,
+        outer_momentum=c.outer_momentum,
+        outer_averaging=c.outer_averaging,
+        group_size=c.gossip_group_size,
+        dtype=c.outer_dtype,
+        offload=c.offload_outer_state,
+        seed=seed,
+    )
+
+
+def check_config(c) -> None:
+    """Every check of :class:`NoLoCoConfig`. ``c`` is the config, or any object with its attributes (the
+    command checks its parsed options before the config joins the process group)."""
+    for name in ("pipeline_stages", "per_device_train_batch_size", "per_device_eval_batch_size"):
+        check_positive_int(name, getattr(c, name))
+    check_choice("routing", c.routing, ROUTINGS)
+    check_choice("pipeline_schedule", c.pipeline_schedule, PIPELINE_SCHEDULES)
+    check_choice("stage_balance", c.stage_balance, STAGE_BALANCES)
+    check_choice("nonfinite", c.nonfinite, NONFINITE_ACTIONS)
+    if not c.p2p_timeout > 0:
+        raise ValueError(f"p2p_timeout must be a positive number of seconds, got {c.p2p_timeout!r}.")
+    if c.microbatch_size is not None:
+        check_microbatch_size(c.per_device_train_batch_size, c.microbatch_size)
+    if c.divergence_steps is not None:
+        check_positive_int("divergence_steps", c.divergence_steps)
+    check_stage_boundaries(c.stage_boundaries, c.pipeline_stages)
+    if c.stage_boundaries is not None and c.stage_balance != "layers":
+        raise ValueError(
+            f"stage_boundaries={c.stage_boundaries} and stage_balance={c.stage_balance!r} both choose the "
+            "split: set only one."
         )
-        if self.export_replica is not None and not 0 <= self.export_replica < num_replicas:
-            raise ValueError(f"export_replica must be in [0, {num_replicas}), got {self.export_replica}.")
+    # Values that torch's optimizers, numpy's seeding or the Trainer would refuse late, without naming them.
+    for name in ("learning_rate", "weight_decay", "adam_epsilon", "warmup_steps"):
+        if not getattr(c, name) >= 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(c, name)}.")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(c, name) < 1:
+            raise ValueError(f"{name} must be in [0, 1), got {getattr(c, name)}.")
+    for name in ("seed", "data_seed", "routing_seed"):
+        value = getattr(c, name)
+        if value is not None and not 0 <= value < 2**32:
+            raise ValueError(f"{name} must be in [0, 2**32), got {value}.")
+    if c.max_steps <= 0 and not c.num_train_epochs > 0:
+        raise ValueError(
+            f"Nothing to train: max_steps={c.max_steps} and num_train_epochs={c.num_train_epochs}. "
+            "Set a positive max_steps or num_train_epochs."
+        )
+    for name in ("logging_steps", "eval_steps", "save_steps"):
+        value = getattr(c, name)
+        if value is not None and value < 0:
+            raise ValueError(
+                f"{name} must be positive (a number of steps, or a fraction of the run below 1), got {value}."
+            )
+    if c.fp16:
+        raise ValueError("fp16 is not supported (the pipeline has no loss scaling): use bf16=True instead.")
+    if c.gradient_accumulation_steps != 1:
+        raise ValueError(
+            "gradient_accumulation_steps must be 1: the pipeline already accumulates over microbatches. "
+            "Raise per_device_train_batch_size (and set microbatch_size) instead."
+        )
+    if c.average_tokens_across_devices:
+        raise ValueError("average_tokens_across_devices must be False: ranks hold different pipeline stages.")
+    if c.load_best_model_at_end:
+        raise ValueError("load_best_model_at_end is not supported by NoLoCoTrainer.")
+    _check_trainer_extras(c)
+    num_replicas, _ = mesh_shape(int(os.environ.get("WORLD_SIZE", "1")), c.pipeline_stages)
+    settings = outer_settings_of(c)
+    settings.check_replicas(num_replicas)
+    check_export_replica(c.export_replica, num_replicas)
+
+
+def _check_trainer_extras(c) -> None:
+    """TrainingArguments values whose mistakes would otherwise surface late, in another library's words."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    names = c.report_to if isinstance(c.report_to, list) else [c.report_to]
+    unknown = [n for n in names if n not in (None, "none", "all") and n not in INTEGRATION_TO_CALLBACK]
+    if unknown:
+        raise ValueError(
+            f"report_to: unknown integration {unknown[0]!r}; use none, all, or one of "
+            f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}."
+        )
+    kwargs = c.lr_scheduler_kwargs
+    if isinstance(kwargs, str) and kwargs.strip():
+        try:
+            parsed = json.loads(kwargs)
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ValueError(
+                f"lr_scheduler_kwargs must be a JSON object such as '{{\"num_cycles\": 2}}', got {kwargs!r}."
+            )
+    if c.push_to_hub:
+        from .hub import check_hub_settings
+
+        check_hub_settings(True, c.hub_model_id, c.hub_token)
+    resume = c.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() not in ("true", "last") and not os.path.isdir(resume):
+        raise ValueError(f"resume_from_checkpoint: no such checkpoint folder {resume!r}.")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the command adds: the model and the data
+# ----------------------------------------------------------------------------------------------------------
+
+# model_config sizes that must be positive integers (transformers would fail later, in its own words)
+_MODEL_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "head_dim",
+)
+
+
+@_help_from_docstring
+@dataclass
+class ModelArguments:
+    r"""
+    Which model `hf-noloco-train` trains. Give exactly one of `model_name_or_path` and `model_config`; one
+    given on the command line replaces the recipe's.
+
+    Parameters:
+        model_name_or_path (`str` or `None`, *optional*, defaults to `None`):
+            Fine-tune this Llama-family checkpoint: a Hub id or a local folder of safetensors weights. Each
+            process reads only its own stage's tensors.
+        model_config (`dict`, `str` or `None`, *optional*, defaults to `None`):
+            Pretrain from scratch: the model's config as a mapping with a `model_type` (in a recipe), a JSON
+            object (on the command line) or the path of a `config.json`.
+        tokenizer_name_or_path (`str` or `None`, *optional*, defaults to `None`):
+            The tokenizer (Hub id or folder). `None`: the checkpoint's, or, from scratch, a byte-level BPE
+            tokenizer trained on the training documents and saved in `output_dir/tokenizer`.
+        tokenizer_vocab_size (`int`, *optional*, defaults to `4096`):
+            Vocabulary of the BPE tokenizer trained from scratch (at least 259: 256 bytes and 3 special
+            tokens).
+    """
+
+    model_name_or_path: str | None = None
+    model_config: dict | str | None = None
+    tokenizer_name_or_path: str | None = None
+    tokenizer_vocab_size: int = 4096
+
+    def __post_init__(self):
+        if (self.model_name_or_path is None) == (self.model_config is None):
+            raise ValueError(
+                "Give exactly one of model_name_or_path (fine-tune) or model_config (pretrain from scratch)."
+            )
+        if self.model_config is not None:
+            self.model_config = model_config_values(self.model_config)
+            if self.tokenizer_name_or_path is None and self.tokenizer_vocab_size < 259:
+                raise ValueError(
+                    "tokenizer_vocab_size must be at least 259 for a byte-level BPE tokenizer, got "
+                    f"{self.tokenizer_vocab_size}."
+                )
+
+
+def model_config_values(spec: dict | str) -> dict:
+    """``model_config`` as a checked dict: a mapping, a JSON object or a config.json path, with a
+    ``model_type``
+    and positive sizes."""
+    values = spec
+    if isinstance(spec, str) and os.path.isfile(spec):
+        try:
+            with open(spec) as f:
+                values = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"model_config: {spec} is not a readable JSON file ({exc}).") from None
+    elif isinstance(spec, str):
+        try:
+            values = json.loads(spec)
+        except json.JSONDecodeError:
+            raise ValueError(
+                f"model_config is neither a config.json path nor a JSON dict: {spec!r}"
+            ) from None
+    if not isinstance(values, dict):
+        raise ValueError(
+            f"model_config must be a mapping of config fields (with a model_type), got {spec!r}."
+        )
+    if "model_type" not in values:
+        raise ValueError("model_config needs a model_type (e.g. llama, mistral, qwen2).")
+    for name in _MODEL_SIZES:
+        value = values.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"model_config: {name} must be a positive integer, got {value!r}.")
+    return values
+
+
+@_help_from_docstring
+@dataclass
+class DataArguments:
+    r"""
+    Which text `hf-noloco-train` trains and evaluates on.
+
+    Parameters:
+        dataset_name (`str`, *optional*, defaults to `"builtin:python-docs"`):
+            A Hub dataset name, a local `.txt`/`.json`/`.jsonl`/`.parquet` file or folder of them, or
+            `"builtin:python-docs"`: CPython's own English documentation, which needs no network.
+        dataset_config (`str` or `None`, *optional*, defaults to `None`):
+            The Hub dataset's configuration name (e.g. `wikitext-103-raw-v1`).
+        text_column (`str`, *optional*, defaults to `"text"`):
+            The column holding the documents' text.
+        block_size (`int`, *optional*, defaults to `256`):
+            Tokens per training sequence: documents are concatenated (an end-of-text token after each) and cut
+            into blocks of this many tokens.
+        validation_split_percentage (`float`, *optional*, defaults to `5`):
+            Share of the documents held out for evaluation when the dataset has no validation or test split,
+            in [0, 100); chosen by a seeded shuffle of documents, so no block mixes both sides.
+        max_train_samples (`int` or `None`, *optional*, defaults to `None`):
+            Keep only the first this many training blocks.
+        preprocessing_num_proc (`int` or `None`, *optional*, defaults to `None`):
+            Processes used to tokenize and pack the dataset.
+    """
+
+    dataset_name: str = BUILTIN_DATASET
+    dataset_config: str | None = None
+    text_column: str = "text"
+    block_size: int = 256
+    validation_split_percentage: float = 5
+    max_train_samples: int | None = None
+    preprocessing_num_proc: int | None = None
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2, got {self.block_size}.")
+        for name in ("max_train_samples", "preprocessing_num_proc"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}.")
+        if not 0 <= self.validation_split_percentage < 100:
+            raise ValueError(
+                f"validation_split_percentage must be in [0, 100), got {self.validation_split_percentage}."
+            )
+        name = self.dataset_name
+        if (
+            name != BUILTIN_DATASET
+            and is_local_dataset_path(name)
+            and not os.path.exists(os.path.expanduser(name))
+        ):
+            raise ValueError(f"dataset_name: no such file or folder {name!r}.")

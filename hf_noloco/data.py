@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict
 
-BUILTIN_DATASET = "builtin:python-docs"
+from .config import BUILTIN_DATASET, is_local_dataset_path
 
 # Special tokens of the tokenizer trained by `train_bpe_tokenizer`.
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
@@ -233,16 +233,6 @@ def _local_data_files(path: str) -> tuple[str, list[str]]:
     return _BUILDER_BY_EXTENSION[extension], [path]
 
 
-def _looks_like_local_path(name: str) -> bool:
-    # Hub names are "name" or "owner/name"; anything with a file extension we read, or that starts like a
-    # filesystem path, is meant to be local, and must then exist rather than fall through to the Hub.
-    return (
-        name.startswith(("/", ".", "~"))
-        or os.path.splitext(name)[1].lower() in _BUILDER_BY_EXTENSION
-        or name.count("/") > 1
-    )
-
-
 def _clean_paragraphs(batch: dict[str, list], text_column: str) -> dict[str, list]:
     # The "text" builder splits on blank lines but keeps surrounding newlines and empty pieces of runs of
     # blank lines; drop those so that every row is one non-empty paragraph.
@@ -282,7 +272,7 @@ def load_text_dataset(
             dataset = datasets.IterableDatasetDict({"train": corpus.to_iterable_dataset()})
         else:
             dataset = DatasetDict({"train": corpus})
-    elif os.path.exists(os.path.expanduser(dataset_name)) or _looks_like_local_path(dataset_name):
+    elif is_local_dataset_path(dataset_name):
         path = os.path.expanduser(dataset_name)
         if not os.path.exists(path):
             raise FileNotFoundError(
@@ -496,7 +486,8 @@ def load_splits(
         )
     if train.num_rows < 2:
         raise ValueError(
-            f"The dataset {dataset_name!r} has {train.num_rows} document(s): too few to carve out a validation split."
+            f"The dataset {dataset_name!r} has {train.num_rows} document(s): too few to carve out a "
+            "validation split."
         )
     num_eval = min(train.num_rows - 1, max(1, round(train.num_rows * validation_split_percentage / 100)))
     # Split documents, not blocks, so that no block holds text from both sides.

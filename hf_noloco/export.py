@@ -1,4 +1,4 @@
-"""Export a NoLoCo run as one ordinary Hugging Face checkpoint, with training curves and a model card.
+"""Export a NoLoCo run as one ordinary Hugging Face checkpoint: the consensus of the replicas, gathered.
 
 The replicas of a stage never hold the same weights during NoLoCo training (there is no all-reduce), so the
 exported model is a *consensus*: the mean of the replicas of each stage, or one chosen replica. Because a
@@ -11,27 +11,25 @@ Collectives, in order (every rank calls :func:`save_consensus_checkpoint`):
 2. :func:`gather_full_state_dict` — the ranks of replica column 0 send their stage to rank ``dst``, tensor by
    tensor (names, shapes and dtypes go first as one small object message).
 3. Rank ``dst`` builds the model on the meta device, assigns the merged tensors, and saves safetensors.
+
+The model card and the training-curve plot that go beside it are :mod:`hf_noloco.card`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import consecutive_buckets
+from .comm import consecutive_buckets, flatten, unflatten_into
+from .config import check_export_replica
 
 logger = logging.getLogger(__name__)
-
-MODEL_CARD_TEMPLATE = Path(__file__).parent / "model_cards" / "model_card.md"
-PLOT_FILE = "training_curves.png"
 
 # Mean-reduction happens in buckets of at most this many elements (in float32): one collective per bucket
 # instead of one per tensor, without a full float32 copy of a large stage.
@@ -52,20 +50,21 @@ def _comm_device(mesh) -> torch.device:
 
 @torch.no_grad()
 def consensus_state_dict(stage: nn.Module, mesh, replica: int | None = None) -> dict[str, torch.Tensor]:
-    """The consensus of this stage over its replicas. Collective over ``mesh.replica_group``: every rank calls it.
+    """The consensus of this stage over its replicas. Collective over ``mesh.replica_group``: every rank calls
+    it.
 
     Args:
         stage: this rank's stage module.
         mesh: the :class:`~hf_noloco.mesh.PipelineMesh`.
-        replica: ``None`` for the mean over replicas of every floating-point tensor (reduced in float32, returned
+        replica: ``None`` for the mean over replicas of every floating-point tensor (reduced in float32,
+        returned
             in the tensor's own dtype); an index to take that replica's copy of every tensor (a broadcast).
 
     Returns:
         ``{name: tensor}`` with this stage's state-dict names, detached copies on the communication device
         (CPU for gloo, the stage's GPU for NCCL). The stage itself is not modified.
     """
-    if replica is not None and not 0 <= replica < mesh.num_replicas:
-        raise ValueError(f"export replica must be in [0, {mesh.num_replicas}), got {replica}.")
+    check_export_replica(replica, mesh.num_replicas)
     device = _comm_device(mesh)
     state = {name: t.detach().to(device, copy=True) for name, t in stage.state_dict().items()}
     if mesh.num_replicas == 1:
@@ -80,16 +79,12 @@ def consensus_state_dict(stage: nn.Module, mesh, replica: int | None = None) -> 
     for bucket in _buckets(floating, state):
         # One flat float32 buffer per bucket: fewer collectives, and bf16/fp16 weights are averaged without
         # rounding the partial sums.
-        flat = torch.cat([state[name].reshape(-1).float() for name in bucket])
+        tensors = [state[name] for name in bucket]
+        flat = flatten(tensors, torch.float32)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat /= mesh.num_replicas
-        offset = 0
-        for name in bucket:
-            tensor = state[name]
-            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
+        unflatten_into(tensors, flat.div_(mesh.num_replicas))
     # Integer buffers (counters, ids) have no mean: every replica takes replica 0's copy, so all agree.
-    for name, tensor in state.items():
+    for tensor in state.values():
         if not tensor.is_floating_point():
             dist.broadcast(tensor, src=mesh.rank_of(0, mesh.stage), group=group)
     return state
@@ -107,9 +102,9 @@ def gather_full_state_dict(
     """Merges the stages of replica column 0 into the full model's state dict on global rank ``dst``.
 
     Collective over the whole world: every rank calls it, but only the ranks of column 0
-    (``mesh.rank_of(0, s)``) and ``dst`` take part; the others return ``None`` at once. Each sender first sends
-    one small object message (the list of ``(name, shape, dtype)``), then each tensor as its own point-to-point
-    message, so nothing but that metadata is pickled.
+    (``mesh.rank_of(0, s)``) and ``dst`` take part; the others return ``None`` at once. Each sender first
+    sends one small object message (the list of ``(name, shape, dtype)``), then each tensor as its own
+    point-to-point message, so nothing but that metadata is pickled.
 
     Args:
         stage_state_dict: this rank's stage tensors (e.g. from :func:`consensus_state_dict`); ignored outside
@@ -160,7 +155,9 @@ def _rebuild_computed_buffers(model: nn.Module) -> None:
             base.rotary_emb = type(rotary)(config=model.config)
     left = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
-        raise RuntimeError(f"Export left tensors on the meta device (not in any stage's state dict): {left[:5]}")
+        raise RuntimeError(
+            f"Export left tensors on the meta device (not in any stage's state dict): {left[:5]}"
+        )
 
 
 def build_model_from_state_dict(config, state_dict: Mapping[str, torch.Tensor]):
@@ -171,7 +168,8 @@ def build_model_from_state_dict(config, state_dict: Mapping[str, torch.Tensor]):
     dtype = dtypes[0] if dtypes else torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # strict: a missing or extra name means the stages did not cover the model, which must not be saved silently.
+    # strict: a missing or extra name means the stages did not cover the model, which must not be saved
+    # silently.
     model.load_state_dict(dict(state_dict), strict=True, assign=True)
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()  # assign=True replaced the shared parameter with two separate tensors
@@ -192,8 +190,9 @@ def save_consensus_checkpoint(
 ) -> str | None:
     """Exports the consensus model as one standard Hugging Face checkpoint. Every rank must call it.
 
-    Writes ``config.json``, ``model.safetensors`` (safetensors only), ``generation_config.json`` and the tokenizer
-    files to ``output_dir`` on rank ``dst``; the folder then loads with ``AutoModelForCausalLM.from_pretrained``.
+    Writes ``config.json``, ``model.safetensors`` (safetensors only), ``generation_config.json`` and the
+    tokenizer files to ``output_dir`` on rank ``dst``; the folder then loads with
+    ``AutoModelForCausalLM.from_pretrained``.
 
     Args:
         stage: this rank's stage. mesh: the :class:`~hf_noloco.mesh.PipelineMesh`.
@@ -205,8 +204,8 @@ def save_consensus_checkpoint(
         dst: global rank that assembles and writes the checkpoint.
 
     Returns:
-        The output folder on ``dst``, ``None`` elsewhere. There is no barrier at the end: callers that read the
-        files from other ranks should wait (e.g. ``accelerator.wait_for_everyone()``).
+        The output folder on ``dst``, ``None`` elsewhere. There is no barrier at the end: callers that read
+        the files from other ranks should wait (e.g. ``accelerator.wait_for_everyone()``).
     """
     consensus = consensus_state_dict(stage, mesh, replica=replica)
     in_column_zero = mesh.replica == 0
@@ -226,195 +225,3 @@ def save_consensus_checkpoint(
     what = "replica mean" if replica is None else f"replica {replica}"
     logger.info("Saved the consensus model (%s of %d replicas) to %s", what, mesh.num_replicas, output_dir)
     return output_dir
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Training curves
-# ----------------------------------------------------------------------------------------------------------
-
-# (panel title, y label, log_history keys tried in order)
-_PANELS = (
-    ("Training loss", "loss", ("loss", "train_loss")),
-    ("Evaluation perplexity", "perplexity", ("eval_perplexity", "perplexity")),
-    ("Replica divergence", "divergence", ("replica_divergence", "eval_replica_divergence")),
-)
-
-
-def _series(log_history: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> tuple[list[float], list[float]]:
-    """``(steps, values)`` of the first key present in ``log_history``; non-finite values are dropped."""
-    for key in keys:
-        points = [
-            (float(entry["step"]), float(entry[key]))
-            for entry in log_history
-            if key in entry and "step" in entry and isinstance(entry[key], (int, float))
-            and math.isfinite(float(entry[key]))
-        ]
-        if points:
-            # Trainer's end-of-training summary repeats keys such as `train_loss`; keep one point per step.
-            by_step = dict(points)
-            steps = sorted(by_step)
-            return steps, [by_step[s] for s in steps]
-    return [], []
-
-
-def plot_training_curves(log_history: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> str:
-    """Writes a PNG with training loss, evaluation perplexity and replica divergence against the step.
-
-    ``log_history`` is a Trainer ``state.log_history``: dicts with ``step`` and some of ``loss``,
-    ``eval_perplexity``, ``replica_divergence``. A metric that never appears gets a panel saying "no data".
-    Returns the path written.
-    """
-    # The object-oriented API with an Agg canvas: no pyplot global state, no GUI backend, safe in threads.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(12, 3.6), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(_PANELS))
-    for ax, (title, ylabel, keys) in zip(axes, _PANELS):
-        steps, values = _series(log_history, keys)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        if not steps:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
-            continue
-        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3)
-        if ylabel == "perplexity" and min(values) > 0 and max(values) / min(values) > 20:
-            ax.set_yscale("log")  # early perplexities are orders of magnitude above the final ones
-        ax.grid(alpha=0.3)
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Model card
-# ----------------------------------------------------------------------------------------------------------
-
-# Labels for the settings table, in display order; keys the card does not know are listed after these.
-SETTING_LABELS = {
-    "pipeline_stages": "Pipeline stages",
-    "num_replicas": "Data-parallel replicas per stage",
-    "outer_optimizer": "Method (outer optimizer)",
-    "inner_steps": "Inner steps between outer steps (H)",
-    "outer_lr": "Outer learning rate (β)",
-    "outer_momentum": "Outer momentum (α)",
-    "outer_averaging": "Pull towards the group's slow weights (γ)",
-    "group_size": "Outer group size (n)",
-    "routing": "Routing between stages",
-    "export_replica": "Exported weights",
-}
-
-
-def _format_value(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    if value is None:
-        return "—"
-    return str(value)
-
-
-def _is_hub_id(name: str | None) -> bool:
-    """Hub metadata must name Hub repos; a local path or a built-in corpus is described in the text only."""
-    if not name or os.path.exists(name) or name.startswith((".", "/", "~")):
-        return False
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
-def render_model_card(
-    output_dir: str | os.PathLike,
-    *,
-    base_model: str | None,
-    dataset: str,
-    settings: Mapping[str, Any],
-    final_perplexity: float | None,
-    replica_divergence: float | None,
-    tokens_seen: int,
-    plot_file: str | None,
-    repo_id: str | None = None,
-    template_path: str | os.PathLike | None = None,
-):
-    """Renders the model card from ``model_cards/model_card.md`` and writes it as ``output_dir/README.md``.
-
-    Args:
-        base_model: the Hub id the run started from, or ``None`` for a model trained from scratch.
-        dataset: the training data (a Hub dataset id goes into the card's metadata too).
-        settings: NoLoCo settings (``pipeline_stages``, ``num_replicas``, ``outer_optimizer``, ``inner_steps``,
-            ``outer_lr``, ``outer_momentum``, ``outer_averaging``, ``routing``, ...), shown as a table;
-            ``export_replica`` (``None``: replica mean) says which weights were exported.
-        final_perplexity / replica_divergence: final evaluation numbers, ``None`` when not measured.
-        tokens_seen: training tokens processed (over all replicas).
-        plot_file: the training-curve PNG (a path inside ``output_dir``, or a name relative to it), or ``None``.
-        repo_id: the Hub repo the card is for (names the model and the usage snippet).
-        template_path: another Jinja template to use.
-
-    Returns:
-        The ``huggingface_hub.ModelCard``.
-    """
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
-
-    output_dir = os.fspath(output_dir)
-    model_name = (repo_id or os.path.basename(os.path.normpath(output_dir)) or "model").split("/")[-1]
-    dataset_on_hub = _is_hub_id(dataset)
-    method = str(settings.get("outer_optimizer", "noloco"))
-    tags = ["hf-noloco", "noloco", "pipeline-parallel", "low-communication", "text-generation"]
-    if method not in tags:
-        tags.insert(2, method)
-    eval_results = None
-    if final_perplexity is not None and math.isfinite(final_perplexity):
-        eval_results = [
-            EvalResult(
-                task_type="text-generation",
-                dataset_type=dataset if dataset_on_hub else "custom",
-                dataset_name=dataset,
-                metric_type="perplexity",
-                metric_name="Perplexity",
-                metric_value=round(float(final_perplexity), 4),
-            )
-        ]
-    card_data = ModelCardData(
-        library_name="transformers",
-        pipeline_tag="text-generation",
-        tags=tags,
-        base_model=base_model or None,
-        datasets=[dataset] if dataset_on_hub else None,
-        model_name=model_name,
-        eval_results=eval_results,
-    )
-    if plot_file is not None and os.path.dirname(plot_file):
-        # The card links it relative to the repo root, i.e. output_dir.
-        plot_file = os.path.relpath(os.path.abspath(plot_file), os.path.abspath(output_dir))
-    export_replica = settings.get("export_replica")
-    shown = {**settings, "export_replica": "replica mean" if export_replica is None else f"replica {export_replica}"}
-    known = [(SETTING_LABELS[k], _format_value(shown[k])) for k in SETTING_LABELS if k in shown]
-    other = [(k, _format_value(v)) for k, v in shown.items() if k not in SETTING_LABELS]
-    card = ModelCard.from_template(
-        card_data,
-        template_path=os.fspath(template_path or MODEL_CARD_TEMPLATE),
-        model_name=model_name,
-        repo_id=repo_id,
-        load_path=repo_id or output_dir,
-        base_model=base_model,
-        dataset=dataset,
-        dataset_on_hub=dataset_on_hub,
-        method=method,
-        export_replica=export_replica,
-        settings_rows=known + other,
-        num_stages=settings.get("pipeline_stages"),
-        num_replicas=settings.get("num_replicas"),
-        final_perplexity=None if final_perplexity is None else f"{final_perplexity:.3f}",
-        replica_divergence=None if replica_divergence is None else f"{replica_divergence:.4g}",
-        tokens_seen=f"{int(tokens_seen):,}",
-        plot_file=plot_file,
-    )
-    os.makedirs(output_dir, exist_ok=True)
-    card.save(os.path.join(output_dir, "README.md"))
-    return card

@@ -2,7 +2,8 @@
 
 Tokens are resolved but never logged, printed or put into an error message. Only safetensors weights and
 text files are uploaded: pickled files (``*.bin``, ``*.pt``, ...), which the Trainer may leave in
-``output_dir`` (``training_args.bin``, optimizer states), and intermediate ``checkpoint-*`` folders are skipped.
+``output_dir`` (``training_args.bin``, optimizer states), and intermediate ``checkpoint-*`` folders are
+skipped.
 """
 
 from __future__ import annotations
@@ -19,14 +20,24 @@ DEFAULT_COMMIT_MESSAGE = "Upload model trained with hf_noloco (NoLoCo)"
 
 # Never published: pickles (arbitrary code on load), trainer checkpoints and local run logs.
 IGNORE_PATTERNS = [
-    "*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt",
-    "checkpoint-*", "checkpoint-*/**", "**/checkpoint-*/**",
-    "wandb/**", "runs/**", "*.tmp",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.pkl",
+    "*.pickle",
+    "*.ckpt",
+    "checkpoint-*",
+    "checkpoint-*/**",
+    "**/checkpoint-*/**",
+    "wandb/**",
+    "runs/**",
+    "*.tmp",
 ]
 
 
 def resolve_token(token: str | None = None) -> str | None:
-    """The token to use: ``token``, else ``HF_TOKEN``, else the one saved by ``hf auth login``; ``None`` if none."""
+    """The token to use: ``token``, else ``HF_TOKEN``, else the one saved by ``hf auth login``; ``None`` if
+    none."""
     return token or os.environ.get("HF_TOKEN") or get_token()
 
 
@@ -44,7 +55,8 @@ def check_hub_settings(push_to_hub: bool, hub_model_id: str | None, token: str |
         return None
     if not hub_model_id:
         raise ValueError(
-            "push_to_hub=True needs a repository to push to: set hub_model_id (e.g. `your-name/my-noloco-model`)."
+            "push_to_hub=True needs a repository to push to: set hub_model_id (e.g. "
+            "`your-name/my-noloco-model`)."
         )
     try:
         validate_repo_id(hub_model_id)

@@ -22,8 +22,12 @@ def free_port() -> int:
 
 def _worker(rank, world_size, port, out_dir, fn, args, timeout_s):
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
@@ -45,13 +49,16 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 60.0) -> list
     """
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
-            _worker, args=(world_size, free_port(), out_dir, fn, args, timeout_s), nprocs=world_size,
-            join=False, start_method=os.environ.get("HF_NOLOCO_TEST_START_METHOD", "fork"),
+            _worker,
+            args=(world_size, free_port(), out_dir, fn, args, timeout_s),
+            nprocs=world_size,
+            join=False,
+            start_method=os.environ.get("HF_NOLOCO_TEST_START_METHOD", "fork"),
         )
         try:
             while not context.join(timeout=timeout_s * 4):
                 pass
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure: report what the ranks recorded
             errors = []
             for rank in range(world_size):
                 path = os.path.join(out_dir, f"rank{rank}.pt")

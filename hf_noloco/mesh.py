@@ -1,8 +1,9 @@
 """The (dp, pp) process mesh: which stage and which replica this process is, and the groups it talks in.
 
-Ranks of one pipeline column (one replica, all stages) are consecutive, ``rank = replica * pp + stage``,
-so that on multi-GPU nodes the chatty pipeline traffic stays inside a node and only the rare outer
-sync crosses nodes.
+Ranks of one pipeline column (one replica, all stages) are consecutive, ``rank = replica * pp + stage``, so a
+column sits on one node when ``pp`` divides the processes per node. That keeps pipeline traffic inside the
+node only under ``fixed`` routing: with ``sample``/``step`` routing a sample's next replica is drawn among all
+replicas of the next stage, wherever they run.
 """
 
 from __future__ import annotations
@@ -12,17 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
-def mesh_shape(world_size: int, pipeline_stages: int) -> tuple[int, int]:
-    """Returns ``(num_replicas, num_stages)`` for ``world_size`` processes, or raises a clear error."""
-    if pipeline_stages < 1:
-        raise ValueError(f"pipeline_stages must be >= 1, got {pipeline_stages}.")
-    if world_size % pipeline_stages != 0:
-        raise ValueError(
-            f"The world size ({world_size} processes) is not divisible by pipeline_stages={pipeline_stages}: "
-            f"launch a multiple of {pipeline_stages} processes (num_replicas x pipeline_stages)."
-        )
-    return world_size // pipeline_stages, pipeline_stages
+from .config import mesh_shape
 
 
 def rank_of(replica: int, stage: int, num_stages: int) -> int:
@@ -51,10 +42,12 @@ class PipelineMesh:
     device: torch.device
 
     @classmethod
-    def build(cls, pipeline_stages: int, device: torch.device | str | None = None) -> "PipelineMesh":
+    def build(cls, pipeline_stages: int, device: torch.device | str | None = None) -> PipelineMesh:
         """Builds the mesh over the default process group, which must already be initialised."""
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: launch with `accelerate launch` or `torchrun`.")
+            raise RuntimeError(
+                "torch.distributed is not initialised: launch with `accelerate launch` or `torchrun`."
+            )
         world_size = dist.get_world_size()
         num_replicas, num_stages = mesh_shape(world_size, pipeline_stages)
         device = torch.device(device) if device is not None else _default_device()
@@ -101,8 +94,16 @@ class PipelineMesh:
         """Global ranks of this replica's column, by stage."""
         return [self.rank_of(self.replica, s) for s in range(self.num_stages)]
 
+    def describe_rank(self, rank: int) -> str:
+        """``rank 5 (stage 1, replica 2)``: how errors name a process."""
+        return f"rank {rank} (stage {rank % self.num_stages}, replica {rank // self.num_stages})"
+
+    def describe_ranks(self, ranks: list[int]) -> str:
+        return ", ".join(self.describe_rank(r) for r in ranks)
+
     def describe(self) -> str:
-        return f"rank {self.rank} (stage {self.stage}, replica {self.replica})"
+        """This process, as :meth:`describe_rank` names it."""
+        return self.describe_rank(self.rank)
 
 
 def _default_device() -> torch.device:

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from hf_noloco.comm import consecutive_buckets, flatten
 from hf_noloco.mesh import PipelineMesh
 
 # exp(x) overflows a float64 above ~709.78; report inf instead of raising.
@@ -50,8 +51,8 @@ def replica_divergence(module: torch.nn.Module, mesh: PipelineMesh) -> dict[str,
     device = params[0].device if params else mesh.device
     sq_sum = torch.zeros((), dtype=torch.float64, device=device)
     numel = sum(p.numel() for p in params)
-    for chunk in _chunks(params, _CHUNK_NUMEL):
-        theta = torch.cat([p.detach().reshape(-1).float() for p in chunk])
+    for bucket in consecutive_buckets([p.numel() for p in params], _CHUNK_NUMEL):
+        theta = flatten([params[i] for i in bucket], torch.float32)
         mean = theta.clone()
         if num_replicas > 1:
             dist.all_reduce(mean, group=mesh.replica_group)
@@ -75,17 +76,3 @@ def replica_divergence(module: torch.nn.Module, mesh: PipelineMesh) -> dict[str,
 
 def _rms(sq_sum: float, numel: float, num_replicas: int) -> float:
     return math.sqrt(sq_sum / (numel * num_replicas)) if numel > 0 else 0.0
-
-
-def _chunks(params: list[torch.Tensor], max_numel: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of parameters of at most ``max_numel`` elements (a larger tensor gets its own run)."""
-    chunks, current, size = [], [], 0
-    for p in params:
-        if current and size + p.numel() > max_numel:
-            chunks.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel()
-    if current:
-        chunks.append(current)
-    return chunks

@@ -16,50 +16,14 @@ The math is in :mod:`hf_noloco.gossip`; this file moves tensors and keeps the st
 from __future__ import annotations
 
 from collections import OrderedDict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from hf_noloco.comm import PeerError, consecutive_buckets, exchange, wait_sends
-from hf_noloco.gossip import (
-    OUTER_STEP_METHODS,
-    diloco_update_,
-    divergence_from_partners,
-    gossip_groups,
-    group_of,
-    noloco_update_,
-    resolve_outer_defaults,
-    validate_outer_settings,
-)
+from hf_noloco.comm import consecutive_buckets, exchange, flatten, unflatten_into, wait_collective, wait_sends
+from hf_noloco.config import OuterSettings
+from hf_noloco.gossip import diloco_update_, divergence_from_partners, gossip_groups, group_of, noloco_update_
 from hf_noloco.mesh import PipelineMesh
-
-_OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, str):
-        dtype = _OUTER_DTYPES.get(dtype.removeprefix("torch."), dtype)
-    if dtype not in _OUTER_DTYPES.values():
-        raise ValueError(f"outer_dtype must be float32 or bfloat16, got {dtype!r}.")
-    return dtype
-
-
-def _bucket(params: list[torch.Tensor], max_bytes: float) -> list[list[int]]:
-    """Indices of consecutive parameters whose fp32 copies fit in ``max_bytes`` (a larger tensor: alone)."""
-    return consecutive_buckets([p.numel() * 4 for p in params], max_bytes)
-
-
-def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
-
-
-def _write_back(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -70,15 +34,6 @@ def _ring_allreduce_bytes(nbytes: int, n: int) -> int:
     # Gloo/NCCL do not report traffic; a ring all-reduce (the bandwidth-optimal algorithm) sends and receives
     # 2 (n-1)/n of the buffer per process, which is what we count.
     return 2 * (n - 1) * nbytes // n
-
-
-def _wait_collective(work: dist.Work, timeout: float, what: str) -> None:
-    try:
-        completed = work.wait(timeout=timedelta(seconds=timeout))
-    except RuntimeError as exc:  # gloo: timeout or a dead peer
-        raise PeerError(f"{what} failed within p2p_timeout={timeout:g}s ({exc})") from exc
-    if completed is False:
-        raise PeerError(f"{what} timed out after p2p_timeout={timeout:g}s")
 
 
 class OuterOptimizer(torch.optim.Optimizer):
@@ -92,13 +47,8 @@ class OuterOptimizer(torch.optim.Optimizer):
         inner: the optimizer of this replica's stage parameters (AdamW, SGD, ...).
         params: the stage's parameters, in an order identical on every replica of the stage.
         mesh: the process mesh; the outer sync runs over ``mesh.replica_group``.
-        method: ``"noloco"``, ``"diloco"``, ``"ddp"`` or ``"local"``.
-        inner_steps, outer_lr, outer_momentum, outer_averaging: H, beta, alpha, gamma (None: paper default).
-        gossip_group_size: n, the size of a noloco gossip group (2 = pairs).
-        outer_dtype: dtype of what crosses the network in an outer step (``bfloat16`` halves the bytes; phi
-            and delta stay float32).
-        offload_outer_state: keep phi and delta on the CPU to save accelerator memory.
-        seed: shared by all ranks; draws the gossip groups.
+        settings: the method and its hyperparameters (:class:`~hf_noloco.config.OuterSettings`; unset ones are
+            the paper's defaults).
         p2p_timeout: seconds to wait for a peer before raising :class:`~hf_noloco.comm.PeerError`.
         bucket_mb: the outer step works on buckets of at most this many MiB of fp32 weights (one message per
             partner and bucket), which bounds its temporary memory; small enough that CPU allocators reuse the
@@ -110,28 +60,12 @@ class OuterOptimizer(torch.optim.Optimizer):
         inner: torch.optim.Optimizer,
         params: list[torch.nn.Parameter],
         mesh: PipelineMesh,
-        method: str = "noloco",
-        inner_steps: int | None = None,
-        outer_lr: float | None = None,
-        outer_momentum: float | None = None,
-        outer_averaging: float | None = None,
-        gossip_group_size: int = 2,
-        outer_dtype: torch.dtype | str = torch.float32,
-        offload_outer_state: bool = False,
-        seed: int = 0,
+        settings: OuterSettings | None = None,
         p2p_timeout: float = 300.0,
         bucket_mb: float = 16.0,
     ):
-        validate_outer_settings(
-            method,
-            mesh.num_replicas,
-            gossip_group_size,
-            inner_steps,
-            outer_lr,
-            outer_momentum,
-            outer_averaging,
-        )
-        settings = resolve_outer_defaults(method, inner_steps, outer_lr, outer_momentum, outer_averaging)
+        settings = settings if settings is not None else OuterSettings()
+        settings.check_replicas(mesh.num_replicas)
         # torch.optim.Optimizer bookkeeping, without param groups of our own (they are the inner optimizer's).
         torch._C._log_api_usage_once("hf_noloco.outer")
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -144,21 +78,15 @@ class OuterOptimizer(torch.optim.Optimizer):
 
         self.inner = inner
         self.mesh = mesh
-        self.method = method
-        self.inner_steps = settings["inner_steps"]
-        self.outer_lr = settings["outer_lr"]
-        self.outer_momentum = settings["outer_momentum"]
-        self.outer_averaging = settings["outer_averaging"]
-        self.gossip_group_size = gossip_group_size
-        self.outer_dtype = _as_dtype(outer_dtype)
-        self.offload_outer_state = offload_outer_state
-        self.seed = seed
+        self.settings = settings
+        self.method = settings.method
+        self.outer_dtype = getattr(torch, settings.dtype)
         self.p2p_timeout = p2p_timeout
         self.params = list(params)
         if not self.params:
             raise ValueError("OuterOptimizer got an empty parameter list.")
         self.numel = sum(p.numel() for p in self.params)
-        self._buckets = _bucket(self.params, bucket_mb * 2**20)
+        self._buckets = consecutive_buckets([p.numel() * 4 for p in self.params], bucket_mb * 2**20)
 
         self.inner_step_count = 0
         self.outer_step_count = 0
@@ -174,12 +102,12 @@ class OuterOptimizer(torch.optim.Optimizer):
         self._delta_flat: list[torch.Tensor] = []
         self.phi: list[torch.Tensor] = []
         self.delta: list[torch.Tensor] = []
-        if method in OUTER_STEP_METHODS:
-            state_device = torch.device("cpu") if offload_outer_state else self.params[0].device
-            pin = offload_outer_state and torch.cuda.is_available()
+        if settings.has_outer_step:
+            state_device = torch.device("cpu") if settings.offload else self.params[0].device
+            pin = settings.offload and torch.cuda.is_available()
             for bucket in self._buckets:
                 tensors = [self.params[i] for i in bucket]
-                phi = _flatten(tensors, torch.float32).to(state_device)
+                phi = flatten(tensors, torch.float32).to(state_device)
                 phi = phi.pin_memory() if pin else phi
                 delta = torch.zeros_like(phi)
                 self._phi_flat.append(phi)
@@ -214,10 +142,7 @@ class OuterOptimizer(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
-        return (
-            f"OuterOptimizer(method={self.method}, inner_steps={self.inner_steps}, outer_lr={self.outer_lr}, "
-            f"outer_momentum={self.outer_momentum}, inner={self.inner!r})"
-        )
+        return f"OuterOptimizer({self.settings}, inner={self.inner!r})"
 
     # --- steps ----------------------------------------------------------------------------------------------
 
@@ -226,7 +151,7 @@ class OuterOptimizer(torch.optim.Optimizer):
         loss = self.inner.step() if closure is None else self.inner.step(closure)
         self.inner_step_count += 1
         self.just_synced = False
-        if self.method in OUTER_STEP_METHODS and self.inner_step_count % self.inner_steps == 0:
+        if self.settings.has_outer_step and self.inner_step_count % self.settings.inner_steps == 0:
             self.outer_step()
         return loss
 
@@ -255,35 +180,32 @@ class OuterOptimizer(torch.optim.Optimizer):
             params = [self.params[i] for i in bucket]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             dtypes = {g.dtype for g in grads}
-            flat = _flatten(grads, dtypes.pop() if len(dtypes) == 1 else torch.float32)
+            flat = flatten(grads, dtypes.pop() if len(dtypes) == 1 else torch.float32)
             work = dist.all_reduce(flat, group=self.mesh.replica_group, async_op=True)
-            _wait_collective(
+            wait_collective(
                 work,
                 self.p2p_timeout,
-                f"ddp gradient all-reduce over the replicas of stage "
-                f"{self.mesh.stage} ({self.mesh.describe()})",
+                f"ddp gradient all-reduce over the replicas of stage {self.mesh.stage} "
+                f"({self.mesh.describe()})",
             )
-            flat.div_(n)
-            for p, offset in zip(params, _offsets(params)):
-                if p.grad is not None:
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+            unflatten_into(grads, flat.div_(n))  # the zeros standing in for missing gradients are dropped
             traffic = _ring_allreduce_bytes(_nbytes(flat), n)
             self.bytes_sent += traffic
             self.bytes_received += traffic
 
     def _noloco_step(self) -> None:
         mesh = self.mesh
-        groups = gossip_groups(mesh.num_replicas, self.gossip_group_size, self.seed, self.outer_step_count)
+        settings = self.settings
+        groups = gossip_groups(mesh.num_replicas, settings.group_size, settings.seed, self.outer_step_count)
         partners = [r for r in group_of(groups, mesh.replica) if r != mesh.replica]
         peers = [mesh.rank_of(r, mesh.stage) for r in partners]
         group_n = len(partners) + 1
-        # gamma == beta: delta <- alpha delta + beta (mean_G theta - phi_i): no slow weights from partners.
-        need_phi = self.outer_averaging != self.outer_lr
+        need_phi = settings.sends_slow_weights
         context = f"NoLoCo outer step {self.outer_step_count} of {mesh.describe()}"
         sq_dist = 0.0
         for b, bucket in enumerate(self._buckets):
             params = [self.params[i] for i in bucket]
-            theta = _flatten(params, torch.float32)  # our own copy stays exact; only the wire copy is rounded
+            theta = flatten(params, torch.float32)  # our own copy stays exact; only the wire copy is rounded
             outgoing = [theta.to(self.outer_dtype)]
             if need_phi:
                 outgoing.append(self._phi_flat[b].to(device=theta.device, dtype=self.outer_dtype))
@@ -293,10 +215,10 @@ class OuterOptimizer(torch.optim.Optimizer):
                 [(t, peer) for peer in peers for t in outgoing],
                 [(t, peer) for peer, bufs in zip(peers, incoming) for t in bufs],
                 self.p2p_timeout,
-                self._describe_rank,
+                mesh.describe_rank,
                 context,
             )
-            wait_sends(pending, self.p2p_timeout, self._describe_rank, context)
+            wait_sends(pending, self.p2p_timeout, mesh.describe_rank, context)
             self.bytes_sent += sum(_nbytes(t) for t in outgoing) * len(peers)
             self.bytes_received += sum(_nbytes(t) for bufs in incoming for t in bufs)
             # Finite checks ride on reductions we need anyway (one pass each, no temporaries): a NaN or inf
@@ -310,7 +232,7 @@ class OuterOptimizer(torch.optim.Optimizer):
                 dist_sq = torch.dot(diff, diff)
                 self._check_finite(
                     [dist_sq] + [t.sum() for t in bufs[1:]],
-                    f"the weights received from {self._describe_rank(peer)}",
+                    f"the weights received from {mesh.describe_rank(peer)}",
                     context,
                 )
                 sq_dist += dist_sq.item()
@@ -330,12 +252,12 @@ class OuterOptimizer(torch.optim.Optimizer):
                 self._phi_flat[b],
                 self._delta_flat[b],
                 theta_mean.to(self._phi_flat[b].device),
-                self.outer_momentum,
-                self.outer_lr,
-                self.outer_averaging,
+                settings.outer_momentum,
+                settings.outer_lr,
+                settings.outer_averaging,
                 phi_mean,
             )
-            _write_back(params, self._phi_flat[b].to(theta_mean.device))  # theta <- phi
+            unflatten_into(params, self._phi_flat[b].to(theta_mean.device))  # theta <- phi
         self.last_groups = groups
         self.last_divergence_estimate = divergence_from_partners(
             sq_dist, len(peers), self.numel, mesh.num_replicas
@@ -348,12 +270,12 @@ class OuterOptimizer(torch.optim.Optimizer):
         )
         for b, bucket in enumerate(self._buckets):
             params = [self.params[i] for i in bucket]
-            theta = _flatten(params, torch.float32)
+            theta = flatten(params, torch.float32)
             pseudo = (theta - self._phi_flat[b].to(theta.device)).to(self.outer_dtype)
             own_finite = bool(torch.isfinite(pseudo.sum()))  # a NaN/inf anywhere makes the sum non-finite
             if n > 1:
                 work = dist.all_reduce(pseudo, group=mesh.replica_group, async_op=True)
-                _wait_collective(work, self.p2p_timeout, f"{what} ({mesh.describe()})")
+                wait_collective(work, self.p2p_timeout, f"{what} ({mesh.describe()})")
                 traffic = _ring_allreduce_bytes(_nbytes(pseudo), n)
                 self.bytes_sent += traffic
                 self.bytes_received += traffic
@@ -368,11 +290,9 @@ class OuterOptimizer(torch.optim.Optimizer):
                     f"stage {mesh.stage} sent NaN/inf weights ({mesh.describe()})."
                 )
             mean = pseudo.float().div_(n).to(self._phi_flat[b].device)
-            diloco_update_(self._phi_flat[b], self._delta_flat[b], mean, self.outer_momentum, self.outer_lr)
-            _write_back(params, self._phi_flat[b].to(theta.device))
-
-    def _describe_rank(self, rank: int) -> str:
-        return f"rank {rank} (stage {rank % self.mesh.num_stages}, replica {rank // self.mesh.num_stages})"
+            s = self.settings
+            diloco_update_(self._phi_flat[b], self._delta_flat[b], mean, s.outer_momentum, s.outer_lr)
+            unflatten_into(params, self._phi_flat[b].to(theta.device))
 
     @staticmethod
     def _check_finite(reductions: list[torch.Tensor], what: str, context: str) -> None:
@@ -385,14 +305,18 @@ class OuterOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [flat[o : o + t.numel()].view(t.shape) for o, t in zip(_offsets(like), like)]
+        views, offset = [], 0
+        for t in like:
+            views.append(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        return views
 
     def reset_outer_state(self) -> None:
         """phi <- the current weights, delta <- 0 (e.g. after loading weights into the model)."""
         with torch.no_grad():
             for b, bucket in enumerate(self._buckets):
                 if self._phi_flat:
-                    self._phi_flat[b].copy_(_flatten([self.params[i] for i in bucket], torch.float32))
+                    self._phi_flat[b].copy_(flatten([self.params[i] for i in bucket], torch.float32))
                     self._delta_flat[b].zero_()
 
     # --- checkpointing --------------------------------------------------------------------------------------
@@ -448,14 +372,6 @@ class OuterOptimizer(torch.optim.Optimizer):
         self.bytes_sent = int(outer["bytes_sent"])
         self.bytes_received = int(outer["bytes_received"])
         self.last_divergence_estimate = outer.get("last_divergence_estimate")
-
-
-def _offsets(tensors: list[torch.Tensor]) -> list[int]:
-    offsets, o = [], 0
-    for t in tensors:
-        offsets.append(o)
-        o += t.numel()
-    return offsets
 
 
 @torch.no_grad()

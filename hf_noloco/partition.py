@@ -21,12 +21,14 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from .config import STAGE_BALANCES, check_choice, check_stage_boundaries
+
 IGNORE_INDEX = -100
-STAGE_BALANCES = ("layers", "compute")
 
 EXPECTED_LAYOUT = (
     "a Llama-family *ForCausalLM with `model.embed_tokens`, `model.layers` (a ModuleList of decoder "
-    "layers), `model.norm`, `model.rotary_emb` and `lm_head` (Llama, Mistral, Qwen2, Qwen3, SmolLM, TinyLlama, ...)"
+    "layers), `model.norm`, `model.rotary_emb` and `lm_head` (Llama, Mistral, Qwen2, Qwen3, SmolLM, "
+    "TinyLlama, ...)"
 )
 
 
@@ -72,28 +74,20 @@ def stage_layer_ranges(
         sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
         starts = [sum(sizes[:s]) for s in range(num_stages)]
     else:
-        boundaries = list(boundaries)
-        if len(boundaries) != num_stages - 1:
-            raise ValueError(
-                f"stage_boundaries must list the first layer of stages 1..{num_stages - 1} "
-                f"({num_stages - 1} numbers), got {boundaries}."
-            )
-        starts = [0] + boundaries
-        if any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= num_layers:
-            raise ValueError(
-                f"stage_boundaries {boundaries} do not split layers 0..{num_layers - 1} into {num_stages} "
-                "non-empty stages: they must be strictly increasing, above 0 and below the layer count."
-            )
+        check_stage_boundaries(boundaries, num_stages, num_layers)
+        starts = [0, *boundaries]
     ends = starts[1:] + [num_layers]
     return list(zip(starts, ends))
 
 
-def compute_balanced_boundaries(layer_costs: Sequence[int], num_stages: int, last_stage_cost: int = 0) -> list[int]:
+def compute_balanced_boundaries(
+    layer_costs: Sequence[int], num_stages: int, last_stage_cost: int = 0
+) -> list[int]:
     """First layer of stages 1..num_stages-1 that make the costliest stage as cheap as possible.
 
     ``layer_costs`` are the decoder layers' costs, ``last_stage_cost`` what the last stage does besides its
-    layers (lm_head and the loss). Among the splits with the smallest maximum, the one with the smallest sum of
-    squared stage costs wins (the most even), then the one whose earlier stages hold more layers, so with
+    layers (lm_head and the loss). Among the splits with the smallest maximum, the one with the smallest sum
+    of squared stage costs wins (the most even), then the one whose earlier stages hold more layers, so with
     equal layers and no extra cost this is the even split of :func:`stage_layer_ranges`. Integer costs keep
     the comparisons exact.
     """
@@ -184,7 +178,9 @@ class PipelineStage(nn.Module):
         layer_types = getattr(config, "layer_types", None)
         sliding = getattr(config, "sliding_window", None) is not None
         self._layer_types = [
-            layer_types[i] if layer_types is not None else ("sliding_attention" if sliding else "full_attention")
+            layer_types[i]
+            if layer_types is not None
+            else ("sliding_attention" if sliding else "full_attention")
             for i in range(*layer_range)
         ]
 
@@ -206,7 +202,10 @@ class PipelineStage(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask_kwargs = dict(
-            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=None,
             position_ids=position_ids,
         )
         masks = {}
@@ -217,7 +216,9 @@ class PipelineStage(nn.Module):
         position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
         for layer, layer_type in zip(self.model.layers.values(), self._layer_types):
             hidden = layer(
-                hidden, attention_mask=masks[layer_type], position_ids=position_ids,
+                hidden,
+                attention_mask=masks[layer_type],
+                position_ids=position_ids,
                 position_embeddings=position_embeddings,
             )
         if self.is_last:
@@ -225,15 +226,21 @@ class PipelineStage(nn.Module):
         return hidden
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy and the number of target tokens, as ``LlamaForCausalLM`` computes
-    them (labels shifted inside, ``-100`` ignored, logits upcast to float32)."""
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    loss = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
+def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of every position's next-token prediction, shape ``(rows, tokens)``, as
+    ``LlamaForCausalLM`` computes its loss: labels shifted inside, logits upcast to float32, positions whose
+    target is ``-100`` contributing 0. Summed and divided by :func:`target_token_count` it is that loss."""
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    # (rows * tokens, vocab) rows: three times faster on CPU than the class dimension in the middle
+    losses = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
-    return loss, (shift_labels != IGNORE_INDEX).sum()
+    return losses.view(targets.shape)
+
+
+def target_token_count(labels: torch.Tensor) -> torch.Tensor:
+    """The number of positions :func:`next_token_losses` scores (targets other than ``-100``)."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
 def split_model(
@@ -259,8 +266,7 @@ def split_model(
             "`tie_word_embeddings=False` (lm_head then starts as a copy of the embeddings)."
         )
     layers = model.model.layers
-    if stage_balance not in STAGE_BALANCES:
-        raise ValueError(f"stage_balance must be one of {', '.join(STAGE_BALANCES)}, got {stage_balance!r}.")
+    check_choice("stage_balance", stage_balance, STAGE_BALANCES)
     if stage_boundaries is None and stage_balance == "compute":
         layer_costs, head_cost = stage_compute_costs(model)
         stage_boundaries = compute_balanced_boundaries(layer_costs, num_stages, head_cost)
@@ -314,7 +320,9 @@ def build_stage(
     else:
         base_seed = torch.initial_seed() if seed is None else seed
         device = torch.device(device)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        with torch.random.fork_rng(
+            devices=[device] if device.type == "cuda" else [], device_type=device.type
+        ):
             for name, module in stage.named_modules():
                 torch.manual_seed(module_seed(base_seed, name))
                 meta_model._init_weights(module)
@@ -339,7 +347,7 @@ def _safetensors_files(checkpoint: str | os.PathLike) -> dict[str, str]:
         from safetensors import safe_open
 
         with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
+            return dict.fromkeys(f.keys(), single)
     raise FileNotFoundError(
         f"No model.safetensors or model.safetensors.index.json in {folder}: hf_noloco loads safetensors "
         "checkpoints only (re-save the model with `save_pretrained`)."

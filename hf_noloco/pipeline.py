@@ -22,15 +22,14 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .comm import exchange, wait_sends
+from .config import PIPELINE_SCHEDULES, check_choice, check_microbatch_size
 from .mesh import PipelineMesh
-from .partition import IGNORE_INDEX, PipelineStage
+from .partition import PipelineStage, next_token_losses, target_token_count
 from .routing import Router, group_rows_by_peer
 
 _META_FIXED = 2  # sample id, origin batch's target-token count; then labels, attention mask, positions
-SCHEDULES = ("1f1b", "gpipe")
 
 
 def pipeline_order(schedule: str, num_micro: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
@@ -41,10 +40,9 @@ def pipeline_order(schedule: str, num_micro: int, num_stages: int, stage: int) -
     at most ``num_stages - stage`` microbatches instead of all of them. Every replica of a stage runs the same
     order, and both ends of every link see its messages in the same order, so routing cannot deadlock it.
     """
+    check_choice("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
     if schedule == "gpipe":
         return [("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)]
-    if schedule != "1f1b":
-        raise ValueError(f"Unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
     warmup = min(num_stages - stage - 1, num_micro)
     order = [("F", m) for m in range(warmup)]
     for m in range(warmup, num_micro):
@@ -91,9 +89,8 @@ class PipelineEngine:
         autocast=None,
         schedule: str = "1f1b",
     ):
-        pipeline_order(schedule, 1, 1, 0)  # validates the name
-        if microbatch_size < 1:
-            raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}.")
+        check_choice("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
+        check_microbatch_size(microbatch_size, microbatch_size)
         if router.num_replicas != mesh.num_replicas:
             raise ValueError(f"router has {router.num_replicas} replicas, the mesh {mesh.num_replicas}.")
         self.stage = stage
@@ -131,7 +128,9 @@ class PipelineEngine:
             totals[0], totals[1] = result.loss.double(), result.target_tokens
         if self.mesh.num_stages > 1:
             torch.distributed.broadcast(
-                totals, self.mesh.rank_of(self.mesh.replica, self.mesh.num_stages - 1), group=self.mesh.column_group
+                totals,
+                self.mesh.rank_of(self.mesh.replica, self.mesh.num_stages - 1),
+                group=self.mesh.column_group,
             )
         return totals[0].item(), int(totals[1].item())
 
@@ -156,7 +155,10 @@ class PipelineEngine:
         def forward(m: int) -> None:
             nonlocal loss, target_tokens
             if self.stage.is_first:
-                x, mb_meta = input_ids[m * micro:(m + 1) * micro].to(self.device), meta[m * micro:(m + 1) * micro]
+                x, mb_meta = (
+                    input_ids[m * micro : (m + 1) * micro].to(self.device),
+                    meta[m * micro : (m + 1) * micro],
+                )
             else:
                 x, mb_meta = self._receive_forward(router, m, micro, seq_len)
                 x.requires_grad_(training)
@@ -165,19 +167,17 @@ class PipelineEngine:
             with self.autocast():
                 y = self.stage(x, attention_mask=attention_mask, position_ids=position_ids)
             if self.stage.is_last:
-                # (rows * tokens, vocab) rows: three times faster on CPU than the class dimension in the middle
-                token_losses = F.cross_entropy(
-                    y.float().flatten(0, 1), F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].flatten(),
-                    ignore_index=IGNORE_INDEX, reduction="none",
-                ).view(y.shape[:2])
-                target_tokens += (labels[:, 1:] != IGNORE_INDEX).sum()
+                token_losses = next_token_losses(y, labels)
+                target_tokens += target_token_count(labels)
                 if training:  # a sample's weight is 1 / (target tokens of the batch it came from)
                     y = (token_losses.sum(1) / mb_meta[:, 1].clamp(min=1)).sum()
                     loss += y.detach()
                 else:
                     loss += token_losses.sum()
             else:
-                sends.extend(self._send_forward(router, m, micro, y.detach().to(self.activation_dtype), mb_meta))
+                sends.extend(
+                    self._send_forward(router, m, micro, y.detach().to(self.activation_dtype), mb_meta)
+                )
             if training:
                 inputs[m], outputs[m] = x, y
             self.peak_microbatches_held = max(self.peak_microbatches_held, len(outputs))
@@ -194,7 +194,8 @@ class PipelineEngine:
         self.peak_microbatches_held = 0
         order = (
             pipeline_order(self.schedule, num_micro, self.mesh.num_stages, self.stage.stage_index)
-            if training else [("F", m) for m in range(num_micro)]
+            if training
+            else [("F", m) for m in range(num_micro)]
         )
         for op, m in order:
             if op == "F":
@@ -216,8 +217,7 @@ class PipelineEngine:
                     f"`{key}` has shape {tuple(value.shape)} but `input_ids` has {(rows, seq_len)}: every "
                     "per-token tensor must match input_ids."
                 )
-        if rows % micro != 0:
-            raise ValueError(f"The per-replica batch ({rows} rows) is not a multiple of microbatch_size={micro}.")
+        check_microbatch_size(rows, micro, what="The per-replica batch")
         return rows, seq_len
 
     def _make_meta(self, batch: dict[str, torch.Tensor], rows: int, seq_len: int) -> torch.Tensor:
@@ -232,13 +232,15 @@ class PipelineEngine:
         slots = torch.arange(self.samples_seen, self.samples_seen + rows, dtype=torch.int64)
         ids = slots * self.mesh.num_replicas + self.mesh.replica
         labels, mask, positions = (t.to(self.device, torch.int64) for t in (labels, mask, positions))
-        target_tokens = (labels[:, 1:] != IGNORE_INDEX).sum().expand(rows)
+        target_tokens = target_token_count(labels).expand(rows)
         fixed = torch.stack([ids.to(self.device), target_tokens], dim=1)
         return torch.cat([fixed, labels, mask, positions], dim=1)
 
     # ----------------------------------------------------------------------------------- communication
 
-    def _peers(self, router: Router, boundary: int, m: int, micro: int, toward_next: bool) -> dict[int, list[int]]:
+    def _peers(
+        self, router: Router, boundary: int, m: int, micro: int, toward_next: bool
+    ) -> dict[int, list[int]]:
         """``{global rank: rows}`` this replica exchanges with across ``boundary`` for microbatch ``m``."""
         start = self.samples_seen + m * micro
         samples = range(start, start + micro)
@@ -263,7 +265,7 @@ class PipelineEngine:
                 bufs = (x.new_empty(len(rows), *x.shape[1:]), meta.new_empty(len(rows), meta.shape[1]))
                 recvs += [(bufs[0], peer), (bufs[1], peer)]
                 scatter.append((rows, bufs))
-        exchange([], recvs, self.p2p_timeout, self._describe, self._context("forward", m))
+        exchange([], recvs, self.p2p_timeout, self.mesh.describe_rank, self._context("forward", m))
         for rows, (xb, mb) in scatter:
             index = torch.tensor(rows, device=self.device)
             x.index_copy_(0, index, xb)
@@ -292,7 +294,7 @@ class PipelineEngine:
                 buf = grad.new_empty(len(rows), *grad.shape[1:])
                 recvs.append((buf, peer))
                 scatter.append((rows, buf))
-        exchange([], recvs, self.p2p_timeout, self._describe, self._context("backward", m))
+        exchange([], recvs, self.p2p_timeout, self.mesh.describe_rank, self._context("backward", m))
         for rows, buf in scatter:
             grad.index_copy_(0, torch.tensor(rows, device=self.device), buf)
         return grad.to(output.dtype)
@@ -302,20 +304,22 @@ class PipelineEngine:
         if len(groups) == 1:
             sends = [(grad, peer) for peer in groups]
         else:
-            sends = [(grad.index_select(0, torch.tensor(rows, device=self.device)), p) for p, rows in groups.items()]
+            sends = [
+                (grad.index_select(0, torch.tensor(rows, device=self.device)), p)
+                for p, rows in groups.items()
+            ]
         return self._post(sends, "backward", m)
 
     def _post(self, sends, phase, m):
         """Starts the sends; returns ``(pending send, tensor)`` pairs: a tensor must stay alive until its
         message has left."""
-        pending = exchange(sends, [], self.p2p_timeout, self._describe, self._context(phase, m))
+        pending = exchange(sends, [], self.p2p_timeout, self.mesh.describe_rank, self._context(phase, m))
         return [(p, tensor) for p, (tensor, _) in zip(pending, sends)]
 
     def _wait(self, sends, phase):
-        wait_sends([p for p, _ in sends], self.p2p_timeout, self._describe, self._context(phase, None))
-
-    def _describe(self, rank: int) -> str:
-        return f"rank {rank} (stage {rank % self.mesh.num_stages}, replica {rank // self.mesh.num_stages})"
+        wait_sends(
+            [p for p, _ in sends], self.p2p_timeout, self.mesh.describe_rank, self._context(phase, None)
+        )
 
     def _context(self, phase: str, m: int | None) -> str:
         # Steps count from 1 in messages, as the Trainer's global_step does once the step is done.
@@ -325,4 +329,4 @@ class PipelineEngine:
 
 def _unpack_meta(meta: torch.Tensor, seq_len: int):
     body = meta[:, _META_FIXED:]
-    return body[:, :seq_len], body[:, seq_len: 2 * seq_len], body[:, 2 * seq_len:]
+    return body[:, :seq_len], body[:, seq_len : 2 * seq_len], body[:, 2 * seq_len :]

@@ -13,7 +13,7 @@ version draws the same permutations.
 
 from __future__ import annotations
 
-ROUTING_GRANULARITIES = ("sample", "step", "fixed")
+from .config import ROUTINGS, check_choice
 
 _MASK64 = (1 << 64) - 1
 
@@ -38,13 +38,6 @@ def seeded_permutation(n: int, *keys: int) -> list[int]:
     return perm
 
 
-def inverse_permutation(perm: list[int]) -> list[int]:
-    inverse = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inverse[p] = i
-    return inverse
-
-
 class Router:
     """Draws the replica pairing between neighbouring stages.
 
@@ -55,8 +48,7 @@ class Router:
     """
 
     def __init__(self, num_replicas: int, granularity: str = "sample", seed: int = 0):
-        if granularity not in ROUTING_GRANULARITIES:
-            raise ValueError(f"Unknown routing {granularity!r}: choose one of {', '.join(ROUTING_GRANULARITIES)}.")
+        check_choice("routing", granularity, ROUTINGS)
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
         self.num_replicas = num_replicas
@@ -80,12 +72,6 @@ class Router:
         """For each sample, the replica of stage ``boundary`` that ``replica`` of stage ``boundary + 1``
         receives it from."""
         return [self.permutation(boundary, step, s).index(replica) for s in samples]
-
-    def origin(self, stage: int, step: int, sample: int, replica: int) -> int:
-        """The stage-0 replica (the data shard) whose sample sits at ``replica`` of ``stage``."""
-        for boundary in reversed(range(stage)):
-            replica = self.permutation(boundary, step, sample).index(replica)
-        return replica
 
 
 def group_rows_by_peer(peers: list[int]) -> dict[int, list[int]]:

@@ -19,26 +19,25 @@ names the root cause.
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import logging
 import math
 import os
-import shutil
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import PretrainedConfig, PreTrainedModel, Trainer, default_data_collator
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback, default_data_collator
 
+from . import checkpoint
+from .card import PLOT_FILE, plot_training_curves, render_model_card
 from .comm import PeerError, PeerWatch, wait_collective
-from .config import NoLoCoConfig
-from .export import PLOT_FILE, plot_training_curves, render_model_card, save_consensus_checkpoint
+from .config import DataArguments, NoLoCoConfig
+from .export import save_consensus_checkpoint
 from .hub import check_hub_settings, push_folder_to_hub
 from .mesh import PipelineMesh
 from .metrics import perplexity, replica_divergence
@@ -49,7 +48,6 @@ from .routing import Router
 
 logger = logging.getLogger(__name__)
 
-MESH_FILE = "noloco_mesh.json"
 BATCH_KEYS = ["input_ids", "labels", "attention_mask", "position_ids"]
 
 
@@ -69,8 +67,10 @@ class NoLoCoTrainer(Trainer):
         model: a Hub id or local folder (fine-tuning: only this process's stage is read from the safetensors
             files), a ``PretrainedConfig`` (pretraining from scratch) or a model instance (split in memory).
         args: a :class:`NoLoCoConfig`.
-        dataset_name: shown in the model card.
-        Other arguments are the Trainer's. ``data_collator`` defaults to ``default_data_collator`` (packed blocks).
+        data_args: the data's :class:`~hf_noloco.config.DataArguments`, shown in the model card and the wandb
+            run's config.
+        Other arguments are the Trainer's. ``data_collator`` defaults to ``default_data_collator`` (packed
+        blocks).
     """
 
     def __init__(
@@ -83,28 +83,44 @@ class NoLoCoTrainer(Trainer):
         data_collator=None,
         callbacks=None,
         optimizers=(None, None),
-        dataset_name: str | None = None,
+        data_args: DataArguments | None = None,
         **kwargs,
     ):
         if not isinstance(args, NoLoCoConfig):
             raise TypeError(f"NoLoCoTrainer needs a NoLoCoConfig, got {type(args).__name__}.")
         _ensure_process_group(args)
         self.mesh = PipelineMesh.build(args.pipeline_stages, device=args.device)
-        self.base_model = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None) or None
-        self.dataset_name = dataset_name
+        self.base_model = (
+            model
+            if isinstance(model, str)
+            else getattr(getattr(model, "config", None), "_name_or_path", None) or None
+        )
+        self.base_model_folder: str | None = None  # a fine-tuned checkpoint's files (its card, its license)
+        self.data_args = data_args
         stage = self._build_stage(model, args)
         broadcast_replica_weights(stage, self.mesh)
         self._check_dataset_size(train_dataset, args)
         super().__init__(
-            model=stage, args=args, data_collator=data_collator or default_data_collator,
-            train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-            callbacks=callbacks, optimizers=optimizers, **kwargs,
+            model=stage,
+            args=args,
+            data_collator=data_collator or default_data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            **kwargs,
         )
         self.engine = PipelineEngine(
-            self.model, self.mesh, Router(self.mesh.num_replicas, args.routing, args.routing_seed),
-            args.resolved_microbatch_size(), p2p_timeout=args.p2p_timeout,
-            # Accelerate's autocast: bf16 mixed precision when `bf16=True` (the Trainer's own helper is a no-op in v5).
-            autocast=lambda: self.accelerator.autocast(), schedule=args.pipeline_schedule,
+            self.model,
+            self.mesh,
+            Router(self.mesh.num_replicas, args.routing, args.routing_seed),
+            args.resolved_microbatch_size(),
+            p2p_timeout=args.p2p_timeout,
+            # Accelerate's autocast: bf16 mixed precision when `bf16=True` (the Trainer's own helper is a
+            # no-op in v5).
+            autocast=lambda: self.accelerator.autocast(),
+            schedule=args.pipeline_schedule,
         )
         self.outer: OuterOptimizer | None = None
         self.tokens_seen = 0
@@ -114,6 +130,7 @@ class NoLoCoTrainer(Trainer):
         # Set-up is over: from here on no rank should wait for another longer than p2p_timeout.
         self._set_collective_timeout(args.p2p_timeout)
         self.watch = PeerWatch(self.mesh.rank, self.mesh.world_size)
+        self.add_callback(_RunConfigCallback(self))
 
     # ------------------------------------------------------------------------------------------- set-up
 
@@ -123,16 +140,25 @@ class NoLoCoTrainer(Trainer):
             stage = split_model(model, mesh.stage, mesh.num_stages, args.stage_boundaries, args.stage_balance)
             return stage.to(args.device)
         if isinstance(model, str):
-            checkpoint = resolve_checkpoint(model)
-            config = load_config(checkpoint)
+            folder = self.base_model_folder = resolve_checkpoint(model)
+            config = load_config(folder)
         elif isinstance(model, PretrainedConfig):
-            checkpoint, config = None, model  # replica 0's initialisation is broadcast to the others
+            folder, config = None, model  # replica 0's initialisation is broadcast to the others
         else:
             raise TypeError(
-                f"model must be a Hub id or folder, a PretrainedConfig or a PreTrainedModel, got {type(model).__name__}."
+                "model must be a Hub id or folder, a PretrainedConfig or a PreTrainedModel, got "
+                f"{type(model).__name__}."
             )
-        return build_stage(config, mesh.stage, mesh.num_stages, args.stage_boundaries, checkpoint, args.device,
-                           stage_balance=args.stage_balance, seed=args.seed)
+        return build_stage(
+            config,
+            mesh.stage,
+            mesh.num_stages,
+            args.stage_boundaries,
+            folder,
+            args.device,
+            stage_balance=args.stage_balance,
+            seed=args.seed,
+        )
 
     def _check_dataset_size(self, dataset, args: NoLoCoConfig) -> None:
         if dataset is None or not hasattr(dataset, "__len__"):
@@ -160,13 +186,12 @@ class NoLoCoTrainer(Trainer):
         if self.optimizer is None:
             super().create_optimizer(model)
         if not isinstance(self.optimizer, OuterOptimizer):
-            args = self.args
             self.outer = OuterOptimizer(
-                self.optimizer, list(self.model.parameters()), self.mesh, method=args.outer_optimizer,
-                inner_steps=args.inner_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                outer_averaging=args.outer_averaging, gossip_group_size=args.gossip_group_size,
-                outer_dtype=args.outer_dtype, offload_outer_state=args.offload_outer_state,
-                seed=args.routing_seed, p2p_timeout=args.p2p_timeout,
+                self.optimizer,
+                list(self.model.parameters()),
+                self.mesh,
+                self.args.outer_settings,
+                p2p_timeout=self.args.p2p_timeout,
             )
             self.optimizer = self.outer
         return self.optimizer
@@ -175,13 +200,22 @@ class NoLoCoTrainer(Trainer):
         """A dataloader over this replica's shard: both stages of a replica get the same batches."""
         dataset = self._remove_unused_columns(dataset, description=description)
         loader = DataLoader(
-            dataset, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle and self.args.dataloader_drop_last,
-            collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle and self.args.dataloader_drop_last,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and self.args.device.type == "cuda",
         )
         return prepare_data_loader(
-            loader, self.args.device, num_processes=self.mesh.num_replicas, process_index=self.mesh.replica,
-            put_on_device=True, use_seedable_sampler=shuffle, data_seed=self.args.data_seed or self.args.seed,
+            loader,
+            self.args.device,
+            num_processes=self.mesh.num_replicas,
+            process_index=self.mesh.replica,
+            put_on_device=True,
+            use_seedable_sampler=shuffle,
+            data_seed=self.args.data_seed or self.args.seed,
             even_batches=shuffle,
         )
 
@@ -199,7 +233,7 @@ class NoLoCoTrainer(Trainer):
     # ---------------------------------------------------------------------------------------- training
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        if not resume_from_checkpoint and _checkpoints_in(self.args.output_dir):
+        if not resume_from_checkpoint and checkpoint.checkpoints_in(self.args.output_dir):
             raise ValueError(
                 f"{self.args.output_dir} already holds checkpoints of a run. Resume it with "
                 "resume_from_checkpoint=True, or choose another output_dir."
@@ -213,12 +247,14 @@ class NoLoCoTrainer(Trainer):
             raise error from exc
 
     def _with_root_cause(self, exc: Exception) -> Exception:
-        """Records this failure as the job's first unless another rank's came first. A communication error comes
+        """Records this failure as the job's first unless another rank's came first. A communication error
+        comes
         back as a PeerError that names the peers that stopped responding, or the first failure of the job."""
         mine = f"{self.mesh.describe()}: {type(exc).__name__}: {exc}"[:4000]
         communication = _is_communication_error(exc)
-        first = self.watch.diagnose(mine, self._describe_rank, find_lost=communication,
-                                    timeout=min(self.args.p2p_timeout, 5.0))
+        first = self.watch.diagnose(
+            mine, self.mesh.describe_rank, find_lost=communication, timeout=min(self.args.p2p_timeout, 5.0)
+        )
         if first is None or not communication or first == mine:
             return exc
         if first.startswith(mine):  # this rank was first: its message plus the peers it lost
@@ -231,9 +267,10 @@ class NoLoCoTrainer(Trainer):
         self.outer.reduce_gradients()
         self.tokens_seen += inputs["input_ids"].numel() * self.mesh.num_replicas
         loss = result.loss if result.loss is not None else torch.zeros((), device=self.args.device)
-        # One all-reduce over the column carries [loss (from the last stage), squared grad norm of each stage]:
-        # every rank then reports its column's loss (the Trainer's mean over ranks is the replicas' mean), clips
-        # by the column norm and knows where a NaN/inf came from, without a collective of its own.
+        # One all-reduce over the column carries [loss (from the last stage), squared grad norm of each
+        # stage]: every rank then reports its column's loss (the Trainer's mean over ranks is the replicas'
+        # mean), clips by the column norm and knows where a NaN/inf came from, without a collective of its
+        # own.
         stats = torch.zeros(1 + self.mesh.num_stages, dtype=torch.float32, device=self.args.device)
         stats[0] = loss.detach().float()
         for p in self.model.parameters():
@@ -241,9 +278,13 @@ class NoLoCoTrainer(Trainer):
                 stats[1 + self.mesh.stage] += p.grad.detach().float().pow(2).sum()
         if self.mesh.num_stages > 1:
             work = dist.all_reduce(stats, group=self.mesh.column_group, async_op=True)
-            wait_collective(work, self.args.p2p_timeout, f"{self.mesh.describe()}, step {self.state.global_step + 1}: "
-                            f"all-reduce of the loss and gradient norms over replica {self.mesh.replica}'s column "
-                            f"({self._describe_ranks(self.mesh.column_ranks())})")
+            wait_collective(
+                work,
+                self.args.p2p_timeout,
+                f"{self.mesh.describe()}, step {self.state.global_step + 1}: "
+                f"all-reduce of the loss and gradient norms over replica {self.mesh.replica}'s column "
+                f"({self.mesh.describe_ranks(self.mesh.column_ranks())})",
+            )
         self._grad_norm = stats[1:].sum().sqrt()
         if not bool(torch.isfinite(stats).all()):
             self._on_nonfinite(stats)
@@ -257,20 +298,29 @@ class NoLoCoTrainer(Trainer):
         step = self.state.global_step + 1
         problems = []
         if not math.isfinite(stats[0].item()):
-            problems.append(f"a non-finite loss ({stats[0].item()}) on stage {last}, replica {replica} "
-                            f"(rank {self.mesh.rank_of(replica, last)})")
+            problems.append(
+                f"a non-finite loss ({stats[0].item()}) on stage {last}, replica {replica} "
+                f"(rank {self.mesh.rank_of(replica, last)})"
+            )
         bad = [s for s in range(self.mesh.num_stages) if not math.isfinite(stats[1 + s].item())]
         if bad:
-            problems.append("non-finite gradients on " + ", ".join(
-                f"stage {s}, replica {replica} (rank {self.mesh.rank_of(replica, s)})" for s in bad))
+            problems.append(
+                "non-finite gradients on "
+                + ", ".join(
+                    f"stage {s}, replica {replica} (rank {self.mesh.rank_of(replica, s)})" for s in bad
+                )
+            )
         what = f"Step {step}: " + " and ".join(problems)
         if self.args.nonfinite == "error":
             raise FloatingPointError(
-                f"{what}. Stopping (nonfinite='error'); the checkpoints already written are complete: resume from "
-                "the last one (perhaps with a lower learning rate), or set nonfinite='skip' to skip such steps."
+                f"{what}. Stopping (nonfinite='error'); the checkpoints already written are complete: resume "
+                "from "
+                "the last one (perhaps with a lower learning rate), or set nonfinite='skip' to skip such "
+                "steps."
             )
-        # Skip: drop the gradients. Optimizers leave a parameter without a gradient (and its state) untouched, while
-        # OuterOptimizer.step() still counts the step, so outer steps stay aligned with the other replicas.
+        # Skip: drop the gradients. Optimizers leave a parameter without a gradient (and its state) untouched,
+        # while OuterOptimizer.step() still counts the step, so outer steps stay aligned with the other
+        # replicas.
         for p in self.model.parameters():
             p.grad = None
         if self.mesh.is_first_stage:  # one warning per column
@@ -301,12 +351,21 @@ class NoLoCoTrainer(Trainer):
                 logs.update(replica_divergence(self.model, self.mesh))
                 self._last_divergence_step = step
             stats = torch.tensor(
-                [self.outer.last_divergence_estimate or 0.0, float(self.outer.last_divergence_estimate is not None),
-                 float(self.outer.bytes_sent)], dtype=torch.float64, device=self.args.device,
+                [
+                    self.outer.last_divergence_estimate or 0.0,
+                    float(self.outer.last_divergence_estimate is not None),
+                    float(self.outer.bytes_sent),
+                ],
+                dtype=torch.float64,
+                device=self.args.device,
             )
             work = dist.all_reduce(stats, async_op=True)
-            wait_collective(work, self.args.p2p_timeout, f"{self.mesh.describe()}, step {step}: all-reduce of "
-                            f"the logging statistics over all {self.mesh.world_size} ranks")
+            wait_collective(
+                work,
+                self.args.p2p_timeout,
+                f"{self.mesh.describe()}, step {step}: all-reduce of "
+                f"the logging statistics over all {self.mesh.world_size} ranks",
+            )
             if stats[1] > 0:
                 logs["replica_divergence_estimate"] = (stats[0] / stats[1]).item()
             logs["outer_bytes_sent_per_rank"] = (stats[2] / self.mesh.world_size).item()
@@ -320,15 +379,20 @@ class NoLoCoTrainer(Trainer):
     # -------------------------------------------------------------------------------------- evaluation
 
     @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         """Perplexity pooled over all replicas' shards, each replica column evaluated as one model (fixed
         routing). Also the exact replica divergence, unless ``divergence_steps`` schedules it elsewhere."""
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
         start = time.monotonic()
-        for batch in self.get_eval_dataloader(eval_dataset):
+        loader = self.get_eval_dataloader(eval_dataset)
+        self.callback_handler.eval_dataloader = loader  # the progress bar's length (shown on rank 0)
+        for batch in loader:
             loss_sum, tokens = self.engine.eval_step(batch)
             totals += torch.tensor([loss_sum, tokens], dtype=torch.float64, device=totals.device)
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         if self.mesh.num_replicas > 1:
             dist.all_reduce(totals, group=self.mesh.replica_group)
         loss_sum, tokens = totals.tolist()
@@ -346,97 +410,62 @@ class NoLoCoTrainer(Trainer):
         return metrics
 
     def predict(self, *args, **kwargs):
-        raise NotImplementedError("NoLoCoTrainer does not support predict(); export the model and use it directly.")
+        raise NotImplementedError(
+            "NoLoCoTrainer does not support predict(); export the model and use it directly."
+        )
 
     # ------------------------------------------------------------------------------------- checkpoints
 
     def _save_checkpoint(self, model, trial):
-        """Every rank writes its stage replica into a temporary folder that rank 0 renames when all are done:
-        a checkpoint folder is complete or absent."""
+        """Every rank writes its stage replica; the folder appears only once all are done (see
+        :mod:`hf_noloco.checkpoint`)."""
         self.store_flos()
-        run_dir = self._get_output_dir(trial=trial)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f"tmp-{name}")
         with self._patient():  # writing files may take longer than p2p_timeout
-            self._write_checkpoint(run_dir, final, tmp)
+            checkpoint.write_checkpoint(
+                self._get_output_dir(trial=trial),
+                self.state.global_step,
+                self.mesh,
+                self._write_rank_state,
+                self._write_run_state,
+                timeout=self.args.ddp_timeout,
+                save_total_limit=self.args.save_total_limit,
+            )
 
-    def _write_checkpoint(self, run_dir: str, final: str, tmp: str) -> None:
-        if self.mesh.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        dist.barrier()
-        self._save_rank_state(tmp)
-        # Rank 0 renames the folder only when every rank has written its shard. A monitored barrier (gloo) names
-        # the ranks that did not get there; rank 0 then fails and the others with it.
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=self.args.ddp_timeout), wait_all_ranks=True)
-        else:
-            dist.barrier()
-        if self.mesh.rank == 0:
-            for callback in self.callback_handler.callbacks + [self.control]:
-                if hasattr(callback, "state") and callable(callback.state):
-                    self.state.stateful_callbacks[type(callback).__name__] = callback.state()
-            self.state.save_to_json(os.path.join(tmp, "trainer_state.json"))
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-            self.model.config.to_json_file(os.path.join(tmp, "config.json"))
-            with open(os.path.join(tmp, MESH_FILE), "w") as f:
-                json.dump(self._mesh_record(), f, indent=2)
-        dist.barrier()
-        if self.mesh.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit, use_mtime=False)
-        dist.barrier()
-
-    def _rank_dir(self, checkpoint: str) -> str:
-        return os.path.join(checkpoint, f"stage-{self.mesh.stage}-replica-{self.mesh.replica}")
-
-    def _save_rank_state(self, folder: str) -> None:
-        rank_dir = self._rank_dir(folder)
-        os.makedirs(rank_dir, exist_ok=True)
-        weights = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
-        save_file(weights, os.path.join(rank_dir, "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), os.path.join(rank_dir, "optimizer.pt"))
-        torch.save({"engine": self.engine.state_dict(), "tokens_seen": self.tokens_seen},
-                   os.path.join(rank_dir, "pipeline.pt"))
+    def _write_rank_state(self, folder: str) -> None:
+        pipeline_state = {"engine": self.engine.state_dict(), "tokens_seen": self.tokens_seen}
+        checkpoint.save_rank_state(folder, self.mesh, self.model, self.optimizer.state_dict(), pipeline_state)
         self._save_rng_state(folder)
+
+    def _write_run_state(self, folder: str) -> None:
+        for callback in self.callback_handler.callbacks + [self.control]:
+            if hasattr(callback, "state") and callable(callback.state):
+                self.state.stateful_callbacks[type(callback).__name__] = callback.state()
+        self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
+        self.model.config.to_json_file(os.path.join(folder, "config.json"))
+        checkpoint.write_mesh_record(folder, self._mesh_record())
 
     def _mesh_record(self) -> dict:
         return {
-            "pipeline_stages": self.mesh.num_stages, "num_replicas": self.mesh.num_replicas,
-            "layer_ranges": self._all_layer_ranges(), "outer_optimizer": self.args.outer_optimizer,
+            "pipeline_stages": self.mesh.num_stages,
+            "num_replicas": self.mesh.num_replicas,
+            "layer_ranges": [list(r) for r in self.model.all_layer_ranges],
+            "outer_optimizer": self.args.outer_optimizer,
             "routing": self.args.routing,
         }
 
-    def _all_layer_ranges(self):
-        return [list(r) for r in self.model.all_layer_ranges]
-
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        with open(os.path.join(resume_from_checkpoint, MESH_FILE)) as f:
-            saved = json.load(f)
-        mine = self._mesh_record()
-        for key in ("pipeline_stages", "num_replicas", "layer_ranges", "outer_optimizer"):
-            if saved[key] != json.loads(json.dumps(mine[key])):
-                raise ValueError(
-                    f"Cannot resume {resume_from_checkpoint}: it was saved with {key}={saved[key]}, this run has "
-                    f"{mine[key]}. Resume with the same pipeline_stages, number of processes, stage split "
-                    "and outer_optimizer."
-                )
-        rank_dir = self._rank_dir(resume_from_checkpoint)
-        self.model.load_state_dict(load_file(os.path.join(rank_dir, "model.safetensors")))
-        state = torch.load(os.path.join(rank_dir, "pipeline.pt"), weights_only=True)
+        checkpoint.check_mesh_record(resume_from_checkpoint, self._mesh_record())
+        state = checkpoint.load_rank_state(resume_from_checkpoint, self.mesh, self.model)
         self.engine.load_state_dict(state["engine"])
         self.tokens_seen = state["tokens_seen"]
         self._last_log = (self.tokens_seen, time.monotonic())
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is None:
+    def _load_optimizer_and_scheduler(self, folder):
+        if folder is None:
             return
-        rank_dir = self._rank_dir(checkpoint)
-        self.optimizer.load_state_dict(
-            torch.load(os.path.join(rank_dir, "optimizer.pt"), weights_only=True, map_location="cpu")
-        )
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+        self.optimizer.load_state_dict(checkpoint.load_optimizer_state(folder, self.mesh))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(folder, "scheduler.pt"), weights_only=True))
 
     # ------------------------------------------------------------------------------------------ export
 
@@ -446,27 +475,76 @@ class NoLoCoTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         with self._patient():  # rank 0 writes the whole model while the others wait
             path = save_consensus_checkpoint(
-                self.model, self.mesh, self.model.config, output_dir, tokenizer=self.processing_class,
+                self.model,
+                self.mesh,
+                self.model.config,
+                output_dir,
+                tokenizer=self.processing_class,
                 replica=self.args.export_replica,
             )
             if path is not None:
                 self._write_model_card(output_dir)
             dist.barrier()
 
+    def run_settings(self) -> dict:
+        """The run's settings as the model card and the wandb run show them."""
+        args, outer = self.args, self.args.outer_settings
+        settings = {
+            "outer_optimizer": outer.method,
+            "pipeline_stages": self.mesh.num_stages,
+            "layer_ranges": [f"{a}-{b - 1}" for a, b in self.model.all_layer_ranges],
+            "num_replicas": self.mesh.num_replicas,
+            "inner_steps": outer.inner_steps,
+            "outer_lr": outer.outer_lr,
+            "outer_momentum": outer.outer_momentum,
+            "outer_averaging": outer.outer_averaging,
+            "gossip_group_size": outer.group_size if outer.method == "noloco" else None,
+            "outer_dtype": outer.dtype if outer.has_outer_step else None,
+            "routing": args.routing,
+            "pipeline_schedule": args.pipeline_schedule,
+            "microbatch_size": args.resolved_microbatch_size(),
+            "global_batch_size": self.get_total_train_batch_size(args),
+            "block_size": self.data_args.block_size if self.data_args else None,
+            "max_steps": self.state.max_steps or args.max_steps,
+            "optimizer": args.optim,
+            "learning_rate": args.learning_rate,
+            "lr_scheduler_type": args.lr_scheduler_type,
+            "warmup_steps": args.warmup_steps,
+            "weight_decay": args.weight_decay,
+            "max_grad_norm": args.max_grad_norm,
+            "mixed_precision": "bf16" if args.bf16 else "no",
+            "seed": args.seed,
+            "export_replica": args.export_replica,
+        }
+        return {k: getattr(v, "value", v) for k, v in settings.items()}
+
+    def _evaluation_split(self) -> str | None:
+        split = getattr(self.eval_dataset, "split", None)
+        if split is None:
+            return None
+        # A dataset without a validation split is evaluated on documents held out of "train"
+        # (data.load_splits).
+        return "train (held-out documents)" if str(split) == "train" else str(split)
+
     def _write_model_card(self, output_dir: str) -> None:
         history = self.state.log_history
-        last = lambda key: next((e[key] for e in reversed(history) if key in e), None)  # noqa: E731
+        last = lambda key: next((e[key] for e in reversed(history) if key in e), None)
         plot = plot_training_curves(history, os.path.join(output_dir, PLOT_FILE)) if history else None
+        data = self.data_args or DataArguments()
         render_model_card(
-            output_dir, base_model=self.base_model, dataset=self.dataset_name or "unknown",
-            settings={
-                "pipeline_stages": self.mesh.num_stages, "num_replicas": self.mesh.num_replicas,
-                "outer_optimizer": self.args.outer_optimizer, **self.args.outer_settings,
-                "gossip_group_size": self.args.gossip_group_size, "routing": self.args.routing,
-                "export_replica": self.args.export_replica,
-            },
-            final_perplexity=last("eval_perplexity"), replica_divergence=last("replica_divergence"),
-            tokens_seen=self.tokens_seen, plot_file=plot, repo_id=self.hub_model_id,
+            output_dir,
+            base_model=self.base_model,
+            dataset=data.dataset_name,
+            dataset_config=data.dataset_config,
+            dataset_split=self._evaluation_split(),
+            settings=self.run_settings(),
+            final_perplexity=last("eval_perplexity"),
+            replica_divergence=last("replica_divergence"),
+            tokens_seen=self.tokens_seen,
+            plot_file=plot,
+            repo_id=self.hub_model_id,
+            base_model_folder=self.base_model_folder,
+            wandb_url=_wandb_url(),
         )
 
     def create_model_card(self, *args, **kwargs):
@@ -480,17 +558,26 @@ class NoLoCoTrainer(Trainer):
     def _push_from_checkpoint(self, checkpoint_folder):
         pass  # checkpoints are per-rank shards; only the exported model is pushed
 
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
-                    revision=None, **kwargs) -> str | None:
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token=None,
+        revision=None,
+        **kwargs,
+    ) -> str | None:
         """Exports to ``output_dir`` (collective) and uploads it from rank 0."""
         self.save_model(self.args.output_dir)
         url = None
         with self._patient():  # the others wait while rank 0 uploads
             if self.mesh.rank == 0:
                 url = push_folder_to_hub(
-                    self.args.output_dir, self.hub_model_id or self.args.hub_model_id,
-                    token=token or self.args.hub_token, private=self.args.hub_private_repo,
-                    commit_message=commit_message or "End of training", revision=revision,
+                    self.args.output_dir,
+                    self.hub_model_id or self.args.hub_model_id,
+                    token=token or self.args.hub_token,
+                    private=self.args.hub_private_repo,
+                    commit_message=commit_message or "End of training",
+                    revision=revision,
                 )
             dist.barrier()
         return url
@@ -505,18 +592,13 @@ class NoLoCoTrainer(Trainer):
 
     @contextlib.contextmanager
     def _patient(self):
-        """Collectives inside wait up to ``ddp_timeout`` (set-up, checkpoint and export I/O), then p2p_timeout again."""
+        """Collectives inside wait up to ``ddp_timeout`` (set-up, checkpoint and export I/O), then p2p_timeout
+        again."""
         self._set_collective_timeout(self.args.ddp_timeout)
         try:
             yield
         finally:
             self._set_collective_timeout(self.args.p2p_timeout)
-
-    def _describe_rank(self, rank: int) -> str:
-        return f"rank {rank} (stage {rank % self.mesh.num_stages}, replica {rank // self.mesh.num_stages})"
-
-    def _describe_ranks(self, ranks: list[int]) -> str:
-        return ", ".join(self._describe_rank(r) for r in ranks)
 
     def end(self):
         """Finishes the wandb run (the Trainer never does) and destroys the process group."""
@@ -544,20 +626,61 @@ def _ensure_process_group(args: NoLoCoConfig) -> None:
         from .local_launch import free_port
 
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
             timeout=timedelta(seconds=args.ddp_timeout),
         )
 
 
 def _is_communication_error(exc: BaseException) -> bool:
-    """A lost or stuck peer, as our waits report it (PeerError) or as gloo/NCCL do (RuntimeError subclasses)."""
+    """A lost or stuck peer, as our waits report it (PeerError) or as gloo/NCCL do (RuntimeErrors)."""
     if isinstance(exc, (PeerError, dist.DistError)):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        mark in text for mark in ("Connection closed", "Connection reset", "Timed out", "timed out", "monitoredBarrier",
-                                  "NCCL", "Socket"))
+        mark in text
+        for mark in (
+            "Connection closed",
+            "Connection reset",
+            "Timed out",
+            "timed out",
+            "monitoredBarrier",
+            "NCCL",
+            "Socket",
+        )
+    )
 
 
-def _checkpoints_in(folder: str) -> bool:
-    return os.path.isdir(folder) and any(n.startswith(f"{PREFIX_CHECKPOINT_DIR}-") for n in os.listdir(folder))
+def _wandb_url() -> str | None:
+    """The page of this process's wandb run, if it has one online."""
+    try:
+        import wandb
+    except ImportError:
+        return None
+    run = wandb.run
+    return None if run is None or run.settings._offline else run.url
+
+
+class _RunConfigCallback(TrainerCallback):
+    """Adds the mesh, routing, outer and data settings to the wandb run's config (the Trainer's own callback
+    records the TrainingArguments and the model config), and says how wandb summarises NoLoCo's metrics."""
+
+    def __init__(self, trainer: NoLoCoTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or "wandb" not in (args.report_to or []):
+            return
+        import wandb
+
+        if wandb.run is None:
+            return
+        data = self.trainer.data_args
+        wandb.run.config.update(
+            {"noloco": self.trainer.run_settings(), "data": dataclasses.asdict(data) if data else None},
+            allow_val_change=True,
+        )
+        wandb.define_metric("eval/perplexity", summary="min")
+        wandb.define_metric("train/replica_divergence*", summary="last")

@@ -1,4 +1,5 @@
-"""Launch: accelerate launch --config_file recipes/accelerate_configs/cpu.yaml recipes/train.py recipes/llama-tiny/noloco.yaml"""
+"""Trains with a recipe: `accelerate launch --config_file recipes/accelerate_configs/cpu.yaml recipes/train.py
+--config recipes/llama-tiny/noloco.yaml [--key value ...]` (the same command as `hf-noloco-train`)."""
 
 from hf_noloco.cli import main
 

@@ -10,8 +10,9 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), or call :func:`run` in a process whos
     stop-log    SIGSTOP at the end of ``step``, before the step's logging collectives (a hung machine)
     nan-loss    the stage output of one microbatch of ``step`` becomes NaN (use on the last stage)
     nan-grad    one gradient entry becomes NaN after the backward of ``step``
-``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds) and ``RESUME`` (1: from the last checkpoint) set the run.
-Each rank writes ``pid-rank{r}`` at start and ``result-rank{r}.pt`` (losses, weights, counters) at the end.
+``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds) and ``RESUME`` (1: from the last checkpoint) set the
+run. Each rank writes ``pid-rank{r}`` at start and ``result-rank{r}.pt`` (losses, weights, counters) at the
+end.
 """
 
 import os
@@ -33,18 +34,28 @@ def byte_corpus(blocks: int) -> Dataset:
     from pydoc_data.topics import topics
 
     data = "\n".join(topics[k] for k in sorted(topics)).encode()
-    rows = [list(data[i * BLOCK:(i + 1) * BLOCK]) for i in range(blocks)]
+    rows = [list(data[i * BLOCK : (i + 1) * BLOCK]) for i in range(blocks)]
     return Dataset.from_dict({"input_ids": rows, "labels": rows})
 
 
 def byte_config():
-    return LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def die(sig=signal.SIGKILL):
-    print(f"fault_train: sending {signal.Signals(sig).name} to myself at monotonic {time.monotonic():.3f}", flush=True)
+    print(
+        f"fault_train: sending {signal.Signals(sig).name} to myself at monotonic {time.monotonic():.3f}",
+        flush=True,
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), sig)
@@ -72,17 +83,21 @@ def install_fault(trainer, rank: int) -> None:
     forwards = []
 
     if kind == "kill-step":
+
         def hook(module, args):
             if in_step():
                 forwards.append(1)
                 if len(forwards) == 2:
                     die()
+
         trainer.model.register_forward_pre_hook(hook)
     elif kind == "nan-loss":
+
         def hook(module, args, output):
             if in_step() and not forwards:
                 forwards.append(1)
                 return output * float("nan")
+
         trainer.model.register_forward_hook(hook)
     elif kind == "nan-grad":
         train_step = trainer.engine.train_step
@@ -90,8 +105,11 @@ def install_fault(trainer, rank: int) -> None:
         def poisoned(batch):
             result = train_step(batch)
             if in_step():
-                next(p for p in trainer.model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+                next(p for p in trainer.model.parameters() if p.grad is not None).grad.view(-1)[0] = float(
+                    "nan"
+                )
             return result
+
         trainer.engine.train_step = poisoned
     elif kind == "kill-outer":
         from hf_noloco import outer
@@ -102,21 +120,27 @@ def install_fault(trainer, rank: int) -> None:
             if trainer.state.global_step == step - 1:  # the outer step runs inside optimizer.step()
                 die()
             return exchange(*args, **kwargs)
+
         outer.exchange = die_in_exchange
     elif kind == "kill-save":
         from safetensors.torch import save_file
 
-        save_rank_state = type(trainer)._save_rank_state
+        from hf_noloco.checkpoint import rank_folder
+
+        write_rank_state = type(trainer)._write_rank_state
 
         def half_save(folder):
             if trainer.state.global_step != step:
-                return save_rank_state(trainer, folder)
-            rank_dir = trainer._rank_dir(folder)
+                return write_rank_state(trainer, folder)
+            rank_dir = rank_folder(folder, trainer.mesh)
             os.makedirs(rank_dir, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()},
-                      os.path.join(rank_dir, "model.safetensors"))
+            save_file(
+                {k: v.contiguous() for k, v in trainer.model.state_dict().items()},
+                os.path.join(rank_dir, "model.safetensors"),
+            )
             die()
-        trainer._save_rank_state = half_save
+
+        trainer._write_rank_state = half_save
     elif kind == "stop-log":
         trainer.add_callback(StopAtStepEnd(step))
     else:
@@ -134,23 +158,41 @@ def run(out: str) -> None:
     with open(os.path.join(out, f"pid-rank{rank}"), "w") as f:
         f.write(str(os.getpid()))
     args = NoLoCoConfig(
-        output_dir=out, pipeline_stages=2, per_device_train_batch_size=4, microbatch_size=2, learning_rate=3e-3,
-        lr_scheduler_type="constant", warmup_steps=0, max_steps=MAX_STEPS, logging_steps=1, eval_strategy="no",
-        save_strategy="steps", save_steps=SAVE_STEPS, inner_steps=INNER_STEPS, outer_optimizer="noloco",
-        routing="sample", report_to="none", disable_tqdm=True, seed=5,
-        p2p_timeout=float(os.environ.get("P2P_TIMEOUT", "3")), nonfinite=os.environ.get("NONFINITE", "error"),
+        output_dir=out,
+        pipeline_stages=2,
+        per_device_train_batch_size=4,
+        microbatch_size=2,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_steps=MAX_STEPS,
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+        inner_steps=INNER_STEPS,
+        outer_optimizer="noloco",
+        routing="sample",
+        report_to="none",
+        disable_tqdm=True,
+        seed=5,
+        p2p_timeout=float(os.environ.get("P2P_TIMEOUT", "3")),
+        nonfinite=os.environ.get("NONFINITE", "error"),
     )
     trainer = NoLoCoTrainer(byte_config(), args, train_dataset=byte_corpus(128))
     install_fault(trainer, dist.get_rank())
     trainer.train(resume_from_checkpoint=True if os.environ.get("RESUME") == "1" else None)
     inner = trainer.outer.inner
-    torch.save({
-        "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
-        "weights": {k: v.clone() for k, v in trainer.model.state_dict().items()},
-        "global_step": trainer.state.global_step,
-        "outer_steps": trainer.outer.outer_step_count,
-        "adam_steps": sorted({int(s["step"]) for s in inner.state.values()}),
-    }, os.path.join(out, f"result-rank{dist.get_rank()}.pt"))
+    torch.save(
+        {
+            "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+            "weights": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            "global_step": trainer.state.global_step,
+            "outer_steps": trainer.outer.outer_step_count,
+            "adam_steps": sorted({int(s["step"]) for s in inner.state.values()}),
+        },
+        os.path.join(out, f"result-rank{dist.get_rank()}.pt"),
+    )
     trainer.end()
 
 

@@ -16,13 +16,19 @@ def test_pipeline_throughput_quick(tmp_path):
     script = os.path.join(ROOT, "benchmarks", "pipeline_throughput.py")
     done = subprocess.run(
         [sys.executable, script, "--quick", "--output", str(output)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(output.read_text())
 
     sizes = [1, 2]
-    expected = ["reference", "reference x2"] + [f"pp2 dp1 mb{m}{split}" for m in sizes for split in ("", " compute")]
+    expected = ["reference", "reference x2"] + [
+        f"pp2 dp1 mb{m}{split}" for m in sizes for split in ("", " compute")
+    ]
     expected += [f"pp2 dp2 mb{m} {routing}" for m in sizes for routing in ("fixed", "sample")]
     assert [row["name"] for row in result["rows"]] == expected
     for row in result["rows"]:

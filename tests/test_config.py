@@ -24,6 +24,12 @@ def test_bad_values_are_refused_naming_the_option(tmp_path, overrides, message):
 
 
 def test_good_values_pass(tmp_path):
-    config = NoLoCoConfig(output_dir=str(tmp_path), report_to="none", stage_balance="compute", learning_rate=0.0,
-                          max_steps=10, outer_optimizer="local")  # one process: no partner to average with
+    config = NoLoCoConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        stage_balance="compute",
+        learning_rate=0.0,
+        max_steps=10,
+        outer_optimizer="local",
+    )  # one process: no partner to average with
     assert config.stage_balance == "compute" and config.stage_boundaries is None

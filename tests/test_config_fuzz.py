@@ -1,5 +1,5 @@
-"""Bad configurations: many malformed recipes and overrides, each refused with a clear one-paragraph error that
-names the bad setting, never a traceback from deep inside torch or a hang.
+"""Bad configurations: many malformed recipes and overrides, each refused with a clear one-paragraph error
+that names the bad setting, never a traceback from deep inside torch or a hang.
 
 All cases go through ``hf_noloco.cli.parse_args`` in ONE driver subprocess (start-up dominates the cost);
 a few also run as the real command (``python recipes/train.py``, and one 2-rank torchrun launch) to check the
@@ -18,18 +18,37 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "recipes", "train.py")
 
-TINY_MODEL = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                  "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
-                  "tie_word_embeddings": False}
+TINY_MODEL = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 
 
 def base_recipe(tmp, launched: bool) -> dict:
-    """A valid recipe: one process (pp=1, no sync), or as seen by each rank of a 4-process launch (pp=2 x dp=2)."""
-    recipe = {"model_config": TINY_MODEL, "tokenizer_vocab_size": 300, "block_size": 16,
-                  "dataset_name": os.path.join(tmp, "corpus.txt"), "output_dir": os.path.join(tmp, "out"),
-                  "per_device_train_batch_size": 4, "max_steps": 2, "report_to": "none", "disable_tqdm": True}
-    recipe.update({"pipeline_stages": 2, "outer_optimizer": "noloco", "inner_steps": 2} if launched
-                  else {"pipeline_stages": 1, "outer_optimizer": "local"})
+    """A valid recipe: one process (pp=1, no sync), or as seen by each rank of a 4-process launch (pp=2 x
+    dp=2)."""
+    recipe = {
+        "model_config": TINY_MODEL,
+        "tokenizer_vocab_size": 300,
+        "block_size": 16,
+        "dataset_name": os.path.join(tmp, "corpus.txt"),
+        "output_dir": os.path.join(tmp, "out"),
+        "per_device_train_batch_size": 4,
+        "max_steps": 2,
+        "report_to": "none",
+        "disable_tqdm": True,
+    }
+    recipe.update(
+        {"pipeline_stages": 2, "outer_optimizer": "noloco", "inner_steps": 2}
+        if launched
+        else {"pipeline_stages": 1, "outer_optimizer": "local"}
+    )
     return recipe
 
 
@@ -38,25 +57,51 @@ def base_recipe(tmp, launched: bool) -> dict:
 # (None deletes a key), "text" = the recipe file's raw text.
 CASES = [
     # wrong types
-    ("batch not int", "cli", ["--per_device_train_batch_size", "abc"], ["per_device_train_batch_size", "'abc'"]),
+    (
+        "batch not int",
+        "cli",
+        ["--per_device_train_batch_size", "abc"],
+        ["per_device_train_batch_size", "'abc'"],
+    ),
     ("lr not float", "cli", ["--learning_rate", "fast"], ["learning_rate", "'fast'"]),
     ("stages float", "cli", ["--pipeline_stages", "2.5"], ["pipeline_stages", "'2.5'"]),
     ("bool garbage", "cli", ["--disable_tqdm", "maybe"], ["disable_tqdm", "maybe"]),
     ("missing value", "cli", ["--max_steps"], ["max_steps", "expected one argument"]),
     ("timeout not number", "cli", ["--p2p_timeout", "soon"], ["p2p_timeout", "'soon'"]),
     ("boundaries not ints", "cli", ["--stage_boundaries", "a"], ["stage_boundaries", "'a'"]),
-    ("yaml batch string", "yaml", {"per_device_train_batch_size": "eight"}, ["per_device_train_batch_size", "'eight'"]),
+    (
+        "yaml batch string",
+        "yaml",
+        {"per_device_train_batch_size": "eight"},
+        ["per_device_train_batch_size", "'eight'"],
+    ),
     ("yaml steps float", "yaml", {"max_steps": 2.5}, ["max_steps", "'2.5'"]),
     ("yaml stages bool", "yaml", {"pipeline_stages": True}, ["pipeline_stages", "'True'"]),
-    ("yaml list for scalar", "yaml", {"per_device_train_batch_size": [1, 2]}, ["per_device_train_batch_size", "[1, 2]"]),
+    (
+        "yaml list for scalar",
+        "yaml",
+        {"per_device_train_batch_size": [1, 2]},
+        ["per_device_train_batch_size", "[1, 2]"],
+    ),
     ("yaml mapping for scalar", "yaml", {"learning_rate": {"value": 1}}, ["learning_rate", "mapping"]),
     ("yaml nested list", "yaml", {"stage_boundaries": [[1]]}, ["stage_boundaries", "[[1]]"]),
-    ("yaml report_to list", "yaml", {"report_to": ["wandb", "tensorboard"]}, ["report_to", "list"]),
+    ("yaml report_to list", "yaml", {"report_to": ["wandb", "nope"]}, ["report_to", "'nope'"]),
+    ("yaml list for a flag", "yaml", {"disable_tqdm": [True]}, ["disable_tqdm", "list"]),
     ("yaml model_config number", "yaml", {"model_config": 5}, ["model_config", "'5'"]),
     ("yaml model_config list", "yaml", {"model_config": [1, 2]}, ["model_config", "[1, 2]"]),
     ("model_config not json", "cli", ["--model_config", "{not json"], ["model_config", "{not json"]),
-    ("model_config without type", "yaml", {"model_config": {"hidden_size": 32}}, ["model_config", "model_type"]),
-    ("model size string", "yaml", {"model_config": {**TINY_MODEL, "hidden_size": "big"}}, ["hidden_size", "'big'"]),
+    (
+        "model_config without type",
+        "yaml",
+        {"model_config": {"hidden_size": 32}},
+        ["model_config", "model_type"],
+    ),
+    (
+        "model size string",
+        "yaml",
+        {"model_config": {**TINY_MODEL, "hidden_size": "big"}},
+        ["hidden_size", "'big'"],
+    ),
     # negative or zero sizes
     ("batch negative", "cli", ["--per_device_train_batch_size", "-2"], ["per_device_train_batch_size", "-2"]),
     ("batch zero", "cli", ["--per_device_train_batch_size", "0"], ["per_device_train_batch_size", "0"]),
@@ -70,8 +115,18 @@ CASES = [
     ("vocab negative", "cli", ["--tokenizer_vocab_size", "-1"], ["tokenizer_vocab_size", "-1"]),
     ("max samples zero", "cli", ["--max_train_samples", "0"], ["max_train_samples", "0"]),
     ("num proc zero", "cli", ["--preprocessing_num_proc", "0"], ["preprocessing_num_proc", "0"]),
-    ("val split too big", "cli", ["--validation_split_percentage", "150"], ["validation_split_percentage", "150"]),
-    ("val split negative", "cli", ["--validation_split_percentage", "-5"], ["validation_split_percentage", "-5"]),
+    (
+        "val split too big",
+        "cli",
+        ["--validation_split_percentage", "150"],
+        ["validation_split_percentage", "150"],
+    ),
+    (
+        "val split negative",
+        "cli",
+        ["--validation_split_percentage", "-5"],
+        ["validation_split_percentage", "-5"],
+    ),
     ("timeout zero", "cli", ["--p2p_timeout", "0"], ["p2p_timeout", "0"]),
     ("timeout negative", "cli", ["--p2p_timeout", "-1"], ["p2p_timeout", "-1"]),
     ("divergence zero", "cli", ["--divergence_steps", "0"], ["divergence_steps", "0"]),
@@ -87,13 +142,33 @@ CASES = [
     ("eval steps negative", "cli", ["--eval_strategy", "steps", "--eval_steps", "-5"], ["eval_steps", "-5"]),
     ("save steps negative", "cli", ["--save_strategy", "steps", "--save_steps", "-1"], ["save_steps", "-1"]),
     ("logging steps negative", "cli", ["--logging_steps", "-1"], ["logging_steps", "-1"]),
-    ("scheduler kwargs not json", "cli", ["--lr_scheduler_kwargs", "notjson"], ["lr_scheduler_kwargs", "'notjson'"]),
-    ("nothing to train", "cli", ["--max_steps", "-1", "--num_train_epochs", "0"], ["max_steps", "num_train_epochs"]),
+    (
+        "scheduler kwargs not json",
+        "cli",
+        ["--lr_scheduler_kwargs", "notjson"],
+        ["lr_scheduler_kwargs", "'notjson'"],
+    ),
+    (
+        "nothing to train",
+        "cli",
+        ["--max_steps", "-1", "--num_train_epochs", "0"],
+        ["max_steps", "num_train_epochs"],
+    ),
     ("inner steps negative", "launched", ["--inner_steps", "-3"], ["inner_steps", "-3"]),
     ("outer lr negative", "launched", ["--outer_lr", "-0.5"], ["outer_lr", "-0.5"]),
     ("outer momentum too big", "launched", ["--outer_momentum", "1.5"], ["outer_momentum", "1.5"]),
-    ("hidden size negative", "yaml", {"model_config": {**TINY_MODEL, "hidden_size": -4}}, ["hidden_size", "-4"]),
-    ("no layers", "yaml", {"model_config": {**TINY_MODEL, "num_hidden_layers": 0}}, ["num_hidden_layers", "0"]),
+    (
+        "hidden size negative",
+        "yaml",
+        {"model_config": {**TINY_MODEL, "hidden_size": -4}},
+        ["hidden_size", "-4"],
+    ),
+    (
+        "no layers",
+        "yaml",
+        {"model_config": {**TINY_MODEL, "num_hidden_layers": 0}},
+        ["num_hidden_layers", "0"],
+    ),
     # unknown methods and names
     ("unknown outer optimizer", "cli", ["--outer_optimizer", "gossip"], ["outer_optimizer", "'gossip'"]),
     ("unknown routing", "cli", ["--routing", "random"], ["routing", "'random'"]),
@@ -104,8 +179,18 @@ CASES = [
     ("unknown report_to", "cli", ["--report_to", "foo"], ["report_to", "'foo'"]),
     ("yaml routing number", "yaml", {"routing": 3}, ["routing", "'3'"]),
     ("unknown stage balance", "cli", ["--stage_balance", "flops"], ["stage_balance", "'flops'"]),
-    ("unknown model_type", "yaml", {"model_config": {**TINY_MODEL, "model_type": "nonsense"}}, ["model_type", "nonsense"]),
-    ("not llama family", "yaml", {"model_config": {"model_type": "gpt2", "n_layer": 2}}, ["GPT2LMHeadModel", "Llama-family"]),
+    (
+        "unknown model_type",
+        "yaml",
+        {"model_config": {**TINY_MODEL, "model_type": "nonsense"}},
+        ["model_type", "nonsense"],
+    ),
+    (
+        "not llama family",
+        "yaml",
+        {"model_config": {"model_type": "gpt2", "n_layer": 2}},
+        ["GPT2LMHeadModel", "Llama-family"],
+    ),
     ("unknown option", "cli", ["--no_such_option", "3"], ["no_such_option"]),
     ("unknown yaml key", "yaml", {"learning_rte": 0.1}, ["learning_rte"]),
     ("positional junk", "cli", ["extra_positional"], ["extra_positional"]),
@@ -114,32 +199,85 @@ CASES = [
     ("no model source", "yaml", {"model_config": None}, ["model_name_or_path", "model_config"]),
     ("bf16 and fp16", "cli", ["--bf16", "true", "--fp16", "true"], ["fp16", "bf16"]),
     ("grad accumulation", "cli", ["--gradient_accumulation_steps", "2"], ["gradient_accumulation_steps"]),
-    ("token averaging", "cli", ["--average_tokens_across_devices", "true"], ["average_tokens_across_devices"]),
+    (
+        "token averaging",
+        "cli",
+        ["--average_tokens_across_devices", "true"],
+        ["average_tokens_across_devices"],
+    ),
     ("best model at end", "cli", ["--load_best_model_at_end", "true"], ["load_best_model_at_end"]),
     ("microbatch not divisor", "cli", ["--microbatch_size", "3"], ["microbatch_size=3"]),
-    ("heads vs hidden", "yaml", {"model_config": {**TINY_MODEL, "hidden_size": 30, "num_attention_heads": 4}},
-     ["hidden size (30)", "attention heads (4)"]),
-    ("heads vs kv heads", "yaml", {"model_config": {**TINY_MODEL, "num_attention_heads": 4, "num_key_value_heads": 3}},
-     ["num_attention_heads=4", "num_key_value_heads=3"]),
-    ("missing dataset", "cli", ["--dataset_name", "./no/such/corpus.txt"], ["dataset_name", "./no/such/corpus.txt"]),
-    ("missing checkpoint", "cli", ["--resume_from_checkpoint", "/no/such/checkpoint-5"], ["resume_from_checkpoint"]),
+    (
+        "heads vs hidden",
+        "yaml",
+        {"model_config": {**TINY_MODEL, "hidden_size": 30, "num_attention_heads": 4}},
+        ["hidden size (30)", "attention heads (4)"],
+    ),
+    (
+        "heads vs kv heads",
+        "yaml",
+        {"model_config": {**TINY_MODEL, "num_attention_heads": 4, "num_key_value_heads": 3}},
+        ["num_attention_heads=4", "num_key_value_heads=3"],
+    ),
+    (
+        "missing dataset",
+        "cli",
+        ["--dataset_name", "./no/such/corpus.txt"],
+        ["dataset_name", "./no/such/corpus.txt"],
+    ),
+    (
+        "missing checkpoint",
+        "cli",
+        ["--resume_from_checkpoint", "/no/such/checkpoint-5"],
+        ["resume_from_checkpoint"],
+    ),
     ("push without repo", "cli", ["--push_to_hub", "true"], ["push_to_hub", "hub_model_id"]),
-    ("push bad repo id", "cli", ["--push_to_hub", "true", "--hub_model_id", "not/a/valid/id"], ["hub_model_id"]),
-    ("gamma with diloco", "launched", ["--outer_optimizer", "diloco", "--outer_averaging", "0.3"], ["outer_averaging"]),
-    ("stages vs world size", "launched_yaml", {"pipeline_stages": 3, "model_config": {**TINY_MODEL, "num_hidden_layers": 6}},
-     ["pipeline_stages=3", "world size"]),
+    (
+        "push bad repo id",
+        "cli",
+        ["--push_to_hub", "true", "--hub_model_id", "not/a/valid/id"],
+        ["hub_model_id"],
+    ),
+    (
+        "gamma with diloco",
+        "launched",
+        ["--outer_optimizer", "diloco", "--outer_averaging", "0.3"],
+        ["outer_averaging"],
+    ),
+    (
+        "stages vs world size",
+        "launched_yaml",
+        {"pipeline_stages": 3, "model_config": {**TINY_MODEL, "num_hidden_layers": 6}},
+        ["pipeline_stages=3", "world size"],
+    ),
     ("group larger than replicas", "launched", ["--gossip_group_size", "3"], ["gossip_group_size=3"]),
     ("export replica out of range", "launched", ["--export_replica", "5"], ["export_replica", "5"]),
-    ("noloco with one replica", "launched_yaml", {"pipeline_stages": 4, "model_config": {**TINY_MODEL, "num_hidden_layers": 4}},
-     ["noloco", "replica"]),
-    ("more stages than layers", "launched", ["--pipeline_stages", "4", "--outer_optimizer", "local"],
-     ["pipeline_stages=4", "decoder layers"]),
+    (
+        "noloco with one replica",
+        "launched_yaml",
+        {"pipeline_stages": 4, "model_config": {**TINY_MODEL, "num_hidden_layers": 4}},
+        ["noloco", "replica"],
+    ),
+    (
+        "more stages than layers",
+        "launched",
+        ["--pipeline_stages", "4", "--outer_optimizer", "local"],
+        ["pipeline_stages=4", "decoder layers"],
+    ),
     ("boundaries count", "launched", ["--stage_boundaries", "1", "2"], ["stage_boundaries", "[1, 2]"]),
     ("boundaries out of range", "launched", ["--stage_boundaries", "9"], ["stage_boundaries", "[9]"]),
-    ("boundaries and balance", "launched", ["--stage_boundaries", "1", "--stage_balance", "compute"],
-     ["stage_boundaries=[1]", "stage_balance='compute'", "only one"]),
-    ("tied embeddings over stages", "launched_yaml", {"model_config": {**TINY_MODEL, "tie_word_embeddings": True}},
-     ["tie_word_embeddings", "pipeline_stages=2"]),
+    (
+        "boundaries and balance",
+        "launched",
+        ["--stage_boundaries", "1", "--stage_balance", "compute"],
+        ["stage_boundaries=[1]", "stage_balance='compute'", "only one"],
+    ),
+    (
+        "tied embeddings over stages",
+        "launched_yaml",
+        {"model_config": {**TINY_MODEL, "tie_word_embeddings": True}},
+        ["tie_word_embeddings", "pipeline_stages=2"],
+    ),
     # malformed files
     ("yaml syntax", "text", "model_config: {model_type: llama\nblock_size: 32\n", ["not valid YAML", "line"]),
     ("yaml top-level list", "text", "- max_steps\n- 3\n", ["mapping", "list"]),
@@ -178,8 +316,15 @@ DRIVER = textwrap.dedent("""
 
 
 def _env(tmp_path) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", TMPDIR=str(tmp_path),
-               HF_DATASETS_CACHE=str(tmp_path / "datasets"), HF_HUB_OFFLINE="1", HF_TOKEN="")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="disabled",
+        TMPDIR=str(tmp_path),
+        HF_DATASETS_CACHE=str(tmp_path / "datasets"),
+        HF_HUB_OFFLINE="1",
+        HF_TOKEN="",
+    )
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     return env
@@ -220,14 +365,23 @@ def outcomes(workspace):
     # The control cases: the base recipes themselves parse (so every failure above is the case's own doing),
     # and a bare `no` in YAML (read as False) means the choice "no".
     cases.append([_write_case(workspace, "ok1", "yaml", {}), {}])
-    cases.append([_write_case(workspace, "ok2", "yaml", {"eval_strategy": False, "save_strategy": False}), {}])
+    cases.append(
+        [_write_case(workspace, "ok2", "yaml", {"eval_strategy": False, "save_strategy": False}), {}]
+    )
     (workspace / "cases.json").write_text(json.dumps(cases))
     (workspace / "driver.py").write_text(DRIVER)
-    done = subprocess.run([sys.executable, str(workspace / "driver.py"), str(workspace / "cases.json")],
-                          env=_env(workspace), capture_output=True, text=True, timeout=300, cwd=workspace, check=False)
+    done = subprocess.run(
+        [sys.executable, str(workspace / "driver.py"), str(workspace / "cases.json")],
+        env=_env(workspace),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=workspace,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
-    return json.loads(line[len("RESULTS "):])
+    return json.loads(line[len("RESULTS ") :])
 
 
 def test_valid_control_recipes_parse(outcomes):
@@ -250,12 +404,21 @@ def test_bad_setting_gives_a_clear_error(outcomes, index):
     assert "MASTER_ADDR" not in message  # refused before joining a process group
     # Raised by our checks, argparse or TrainingArguments' own validation: never from torch internals.
     raiser = outcome["frames"][-1]
-    assert f"{os.sep}torch{os.sep}" not in raiser and "huggingface_hub" not in raiser, (name, outcome["frames"])
+    assert f"{os.sep}torch{os.sep}" not in raiser and "huggingface_hub" not in raiser, (
+        name,
+        outcome["frames"],
+    )
 
 
 def _command(tmp_path, argv, prefix=()):
-    return subprocess.Popen([*prefix, *argv], env=_env(tmp_path), cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [*prefix, *argv],
+        env=_env(tmp_path),
+        cwd=tmp_path,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_the_command_exits_2_with_one_line_on_every_rank(workspace):
@@ -263,12 +426,28 @@ def test_the_command_exits_2_with_one_line_on_every_rank(workspace):
     single = {"type": ["--per_device_train_batch_size", "abc"], "yaml": None}
     procs = {}
     for key, overrides in single.items():
-        argv = _write_case(workspace, f"run-{key}", "cli", overrides) if overrides else \
-            _write_case(workspace, "run-yaml", "text", "model_config: [unclosed\n")
+        argv = (
+            _write_case(workspace, f"run-{key}", "cli", overrides)
+            if overrides
+            else _write_case(workspace, "run-yaml", "text", "model_config: [unclosed\n")
+        )
         procs[key] = _command(workspace, [sys.executable, TRAIN, *argv])
-    launched = _write_case(workspace, "run-launch", "launched", ["--outer_optimizer", "local", "--export_replica", "1"])
-    procs["launch"] = _command(workspace, [*launched], prefix=(
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", TRAIN))
+    launched = _write_case(
+        workspace, "run-launch", "launched", ["--outer_optimizer", "local", "--export_replica", "1"]
+    )
+    procs["launch"] = _command(
+        workspace,
+        [*launched],
+        prefix=(
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            TRAIN,
+        ),
+    )
     outputs = {key: (*p.communicate(timeout=240), p.returncode) for key, p in procs.items()}
 
     for key in single:

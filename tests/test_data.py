@@ -220,7 +220,8 @@ def test_eval_too_small_error(tmp_path, tokenizer):
         data.prepare_datasets(str(path), tokenizer, 128, validation_split_percentage=5)
 
 
-# ---------------------------------------------------------------------------------------------- built-in corpus
+# ---------------------------------------------------------------------------------------------- built-in
+# corpus
 
 
 def test_builtin_corpus_is_sizable_and_deterministic(corpus):

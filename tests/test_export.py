@@ -1,4 +1,4 @@
-"""Export: consensus of replicas, gather of stages, one loadable HF checkpoint; training curves; model card."""
+"""Export: consensus of replicas, gather of stages, one loadable HF checkpoint; curves; model card."""
 
 import json
 import os
@@ -6,16 +6,11 @@ import os
 import pytest
 import torch
 import yaml
-from dist_harness import run_distributed
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config
 
-from hf_noloco.export import (
-    build_model_from_state_dict,
-    gather_full_state_dict,
-    plot_training_curves,
-    render_model_card,
-    save_consensus_checkpoint,
-)
+from hf_noloco.card import plot_training_curves, render_model_card
+from hf_noloco.export import build_model_from_state_dict, gather_full_state_dict, save_consensus_checkpoint
+from hf_noloco.local_launch import run_distributed
 from hf_noloco.mesh import PipelineMesh
 from hf_noloco.partition import build_stage
 
@@ -24,15 +19,27 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _tiny_llama():
     return LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
 
 
 def _tiny_qwen2():
     return Qwen2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
 
 
@@ -53,16 +60,26 @@ def _export_worker(out_dir, tokenizer_dir):
     """pp=2 x dp=2. Every replica starts from its own seed, so the replicas really differ."""
     mesh = PipelineMesh.build(2)
     results = {}
-    for name, config, dtype in (("llama", _tiny_llama(), torch.float32), ("qwen2", _tiny_qwen2(), torch.bfloat16)):
+    for name, config, dtype in (
+        ("llama", _tiny_llama(), torch.float32),
+        ("qwen2", _tiny_qwen2(), torch.bfloat16),
+    ):
         torch.manual_seed(1000 + 17 * mesh.replica + mesh.stage)
         stage = build_stage(config, mesh.stage, mesh.num_stages, dtype=dtype)
         before = {k: v.clone() for k, v in stage.state_dict().items()}
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if name == "llama" else None
         gen = GenerationConfig(max_new_tokens=7, do_sample=False) if name == "llama" else None
         mean_path = save_consensus_checkpoint(
-            stage, mesh, config, os.path.join(out_dir, f"{name}-mean"), tokenizer=tokenizer, generation_config=gen
+            stage,
+            mesh,
+            config,
+            os.path.join(out_dir, f"{name}-mean"),
+            tokenizer=tokenizer,
+            generation_config=gen,
         )
-        rep1_path = save_consensus_checkpoint(stage, mesh, config, os.path.join(out_dir, f"{name}-rep1"), replica=1)
+        rep1_path = save_consensus_checkpoint(
+            stage, mesh, config, os.path.join(out_dir, f"{name}-rep1"), replica=1
+        )
         unchanged = all(torch.equal(before[k], v) for k, v in stage.state_dict().items())
         results[name] = {"state": before, "paths": (mean_path, rep1_path), "stage_unchanged": unchanged}
     # dst need not be rank 0, nor in column 0.
@@ -164,7 +181,11 @@ def test_gather_to_another_rank(exported):
 
 def test_build_model_from_state_dict_keeps_tied_embeddings(tmp_path):
     config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=128,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
@@ -213,8 +234,15 @@ def test_plot_training_curves_writes_png(tmp_path):
 # ------------------------------------------------------------------------------------------------ card
 
 SETTINGS = {
-    "pipeline_stages": 2, "num_replicas": 4, "outer_optimizer": "noloco", "inner_steps": 50, "outer_lr": 0.7,
-    "outer_momentum": 0.5, "outer_averaging": 0.7, "routing": "sample", "seed": 42,
+    "pipeline_stages": 2,
+    "num_replicas": 4,
+    "outer_optimizer": "noloco",
+    "inner_steps": 50,
+    "outer_lr": 0.7,
+    "outer_momentum": 0.5,
+    "outer_averaging": 0.7,
+    "routing": "sample",
+    "seed": 42,
 }
 
 
@@ -227,8 +255,15 @@ def _metadata(readme):
 def test_model_card_trained_from_scratch(tmp_path):
     plot = plot_training_curves(LOG_HISTORY, tmp_path / "training_curves.png")
     card = render_model_card(
-        tmp_path, base_model=None, dataset="roneneldan/TinyStories", settings=SETTINGS, final_perplexity=20.1,
-        replica_divergence=0.03, tokens_seen=1234567, plot_file=plot, repo_id="someone/tiny-noloco",
+        tmp_path,
+        base_model=None,
+        dataset="roneneldan/TinyStories",
+        settings=SETTINGS,
+        final_perplexity=20.1,
+        replica_divergence=0.03,
+        tokens_seen=1234567,
+        plot_file=plot,
+        repo_id="someone/tiny-noloco",
     )
     meta, text = _metadata(tmp_path / "README.md")
     assert card.data.library_name == "transformers"
@@ -239,19 +274,39 @@ def test_model_card_trained_from_scratch(tmp_path):
     metric = meta["model-index"][0]["results"][0]["metrics"][0]
     assert metric["type"] == "perplexity" and metric["value"] == pytest.approx(20.1)
     assert "trained from scratch" in text and "fine-tuned" not in text
-    for expected in ("20.100", "0.03", "1,234,567", "(H) | 50", "(β) | 0.7", "(α) | 0.5", "(γ) | 0.7",
-                     "| 2 |", "| 4 |", "noloco", "sample", "seed | 42", "](training_curves.png)",
-                     'from_pretrained("someone/tiny-noloco")', "mean of the replicas", "Exported weights | replica mean",
-                     "random replica of the next stage"):
+    for expected in (
+        "20.100",
+        "0.03",
+        "1,234,567",
+        "(H) | 50",
+        "(β) | 0.7",
+        "(α) | 0.5",
+        "(γ) | 0.7",
+        "| 2 |",
+        "| 4 |",
+        "noloco",
+        "sample",
+        "Seed | 42",
+        "](training_curves.png)",
+        'from_pretrained("someone/tiny-noloco")',
+        "mean of the replicas",
+        "Exported weights | replica mean",
+        "random replica of the next stage",
+    ):
         assert expected in text, expected
     assert (tmp_path / "training_curves.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_model_card_from_base_model_without_eval(tmp_path):
     render_model_card(
-        tmp_path, base_model="HuggingFaceTB/SmolLM2-135M", dataset="/data/my_corpus.jsonl",
-        settings={**SETTINGS, "outer_optimizer": "diloco", "export_replica": 1}, final_perplexity=None, replica_divergence=None,
-        tokens_seen=100, plot_file=None,
+        tmp_path,
+        base_model="HuggingFaceTB/SmolLM2-135M",
+        dataset="/data/my_corpus.jsonl",
+        settings={**SETTINGS, "outer_optimizer": "diloco", "export_replica": 1},
+        final_perplexity=None,
+        replica_divergence=None,
+        tokens_seen=100,
+        plot_file=None,
     )
     meta, text = _metadata(tmp_path / "README.md")
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M"
@@ -262,3 +317,46 @@ def test_model_card_from_base_model_without_eval(tmp_path):
     assert "trained from scratch" not in text and "/data/my_corpus.jsonl" in text
     assert "not measured" in text and "![" not in text
     assert "replica 1 of every stage" in text and "DiLoCo baseline" in text
+
+
+def test_model_card_labels_every_setting_and_inherits_the_base_cards_terms(tmp_path):
+    """A card for a run fine-tuned from a local checkpoint whose own card states a license and languages."""
+    from hf_noloco.card import SETTING_LABELS
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: apache-2.0\nlanguage:\n- en\n- fr\n---\n# Base\n")
+    settings = dict.fromkeys(SETTING_LABELS, 3)
+    render_model_card(
+        tmp_path / "out",
+        base_model=str(base),
+        base_model_folder=base,
+        dataset="Salesforce/wikitext",
+        dataset_config="wikitext-2-raw-v1",
+        dataset_split="validation",
+        settings=settings,
+        final_perplexity=12.5,
+        replica_divergence=None,
+        tokens_seen=10,
+        plot_file=None,
+        wandb_url="https://wandb.ai/me/proj/runs/abc",
+    )
+    meta, text = _metadata(tmp_path / "out" / "README.md")
+    assert meta["license"] == "apache-2.0" and meta["language"] == ["en", "fr"]
+    assert "base_model" not in meta  # a local folder is no Hub id
+    assert f"a local checkpoint (`{base}`)" in text and "huggingface.co/" + str(base) not in text
+    dataset = meta["model-index"][0]["results"][0]["dataset"]
+    assert dataset == {
+        "name": "Salesforce/wikitext",
+        "type": "Salesforce/wikitext",
+        "config": "wikitext-2-raw-v1",
+        "split": "validation",
+    }
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line.endswith(" |")]
+    labels = {row.split(" | ")[0][2:] for row in rows}
+    assert set(SETTING_LABELS.values()) <= labels
+    assert not set(SETTING_LABELS) & labels  # no raw key shown
+    assert "(https://wandb.ai/me/proj/runs/abc)" in text
+    import transformers
+
+    assert f"- transformers: {transformers.__version__}" in text and "- torch: " in text

@@ -39,8 +39,15 @@ DESCRIBE = {r: f"rank {r} (stage {r % 2}, replica {r // 2})" for r in range(WORL
 
 
 def _child(rank, store_port, out, env):
-    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(store_port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        env,
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+        OMP_NUM_THREADS="1",
+    )
     log = os.open(os.path.join(out, f"log-rank{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -55,11 +62,14 @@ def _child(rank, store_port, out, env):
 
 
 def _finish(procs, out, exitcode, deadline):
-    """Waits for every process (``exitcode(p)`` or None while it runs) until ``deadline``; returns the exit codes,
-    the (monotonic) exit times and the logs; processes still running then (or stopped) are killed and reported
+    """Waits for every process (``exitcode(p)`` or None while it runs) until ``deadline``; returns the exit
+    codes, the (monotonic) exit times and the logs; processes still running then (or stopped) are killed and
+    reported
     as ``None``."""
     codes, times = [None] * len(procs), [None] * len(procs)
-    while time.monotonic() < deadline and not all(c is not None or _stopped(p.pid) for c, p in zip(codes, procs)):
+    while time.monotonic() < deadline and not all(
+        c is not None or _stopped(p.pid) for c, p in zip(codes, procs)
+    ):
         for r, p in enumerate(procs):
             if codes[r] is None and exitcode(p) is not None:
                 codes[r], times[r] = exitcode(p), time.monotonic()
@@ -89,8 +99,9 @@ def _stopped(pid):
 def launch(out, timeout=90.0, **env):
     """Forks the 4 ranks of one run; returns (exit codes, seconds to each exit, per-rank logs, results)."""
     os.makedirs(out, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, timeout=timedelta(seconds=60),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, WORLD + 1, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False
+    )
     context = multiprocessing.get_context("fork")
     procs = [context.Process(target=_child, args=(r, store.port, str(out), env)) for r in range(WORLD)]
     started = time.monotonic()
@@ -103,8 +114,11 @@ def launch(out, timeout=90.0, **env):
 
 
 def _results(out):
-    return {r: torch.load(path, weights_only=False) for r in range(WORLD)
-            if os.path.exists(path := os.path.join(out, f"result-rank{r}.pt"))}
+    return {
+        r: torch.load(path, weights_only=False)
+        for r in range(WORLD)
+        if os.path.exists(path := os.path.join(out, f"result-rank{r}.pt"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +142,13 @@ def assert_survivors_name_the_victim(codes, times, logs, victim):
         if r == victim:
             continue
         assert codes[r] == 1, (r, codes, logs[r][-3000:])
-        # Closed connections are seen at once; a rank waiting on a survivor that is failing may wait p2p_timeout.
-        assert raised_at(logs[r]) - killed_at < P2P_TIMEOUT + DETECT_MARGIN, (r, raised_at(logs[r]), killed_at)
+        # Closed connections are seen at once; a rank waiting on a survivor that is failing may wait
+        # p2p_timeout.
+        assert raised_at(logs[r]) - killed_at < P2P_TIMEOUT + DETECT_MARGIN, (
+            r,
+            raised_at(logs[r]),
+            killed_at,
+        )
         assert times[r] - raised_at(logs[r]) < EXIT_MARGIN  # and then the process ends: no hang at exit
         assert DESCRIBE[victim] in logs[r].split("PeerError: ")[-1], (r, logs[r][-3000:])
 
@@ -148,8 +167,11 @@ def assert_resume_reproduces(reference, out):
 
 
 def _digest(folder):
-    return {os.path.relpath(f, folder): hashlib.sha256(open(f, "rb").read()).hexdigest()
-            for f in sorted(glob.glob(os.path.join(folder, "**", "*"), recursive=True)) if os.path.isfile(f)}
+    return {
+        os.path.relpath(f, folder): hashlib.sha256(open(f, "rb").read()).hexdigest()
+        for f in sorted(glob.glob(os.path.join(folder, "**", "*"), recursive=True))
+        if os.path.isfile(f)
+    }
 
 
 def _checkpoint_weights(folder):
@@ -160,17 +182,33 @@ def _checkpoint_weights(folder):
 
 
 def launch_processes(out, timeout=120.0, **env):
-    """The 4 ranks as separate `python fault_train.py` processes without any agent (rank 0 hosts the store)."""
+    """The 4 ranks as separate `python fault_train.py` processes, no agent (rank 0 hosts the store)."""
     os.makedirs(out, exist_ok=True)
     port = free_port()
     procs = []
     started = time.monotonic()
     for r in range(WORLD):
-        penv = dict(os.environ, **env, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", TMPDIR=str(out))
+        penv = dict(
+            os.environ,
+            **env,
+            RANK=str(r),
+            WORLD_SIZE=str(WORLD),
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            TMPDIR=str(out),
+        )
         with open(os.path.join(out, f"log-rank{r}.txt"), "w") as log:  # the child keeps its own descriptor
-            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "fault_train.py"), str(out)],
-                                          env=penv, stdout=log, stderr=subprocess.STDOUT, cwd=out))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, os.path.join(HERE, "fault_train.py"), str(out)],
+                    env=penv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=out,
+                )
+            )
     codes, times, logs = _finish(procs, str(out), lambda p: p.poll(), started + timeout)
     return codes, times, logs
 
@@ -190,7 +228,9 @@ def test_rank_killed_mid_outer_sync(tmp_path, reference):
     codes, times, logs, _ = launch(out, FAULT="kill-outer:6:2")
     assert_survivors_name_the_victim(codes, times, logs, victim=2)
     # Its partner was waiting for its weights in the same outer step.
-    assert f"NoLoCo outer step 1 of {DESCRIBE[0]}: failed receiving from {DESCRIBE[2]}" in logs[0], logs[0][-3000:]
+    assert f"NoLoCo outer step 1 of {DESCRIBE[0]}: failed receiving from {DESCRIBE[2]}" in logs[0], logs[0][
+        -3000:
+    ]
     assert_resume_reproduces(reference, out)
 
 
@@ -205,14 +245,35 @@ def test_rank_killed_mid_checkpoint_leaves_the_previous_one(tmp_path, reference)
 
 
 def test_torchrun_ends_the_whole_job_when_a_rank_is_killed(tmp_path):
-    """What a user sees: the launcher's job ends non-zero and fast, the lost rank is visible, nothing is left."""
+    """What a user sees: the launcher's job ends non-zero and fast, the lost rank is named, nothing left."""
     out = tmp_path / "run"
     out.mkdir()
-    env = dict(os.environ, FAULT="kill-step:3:3", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1",
-               P2P_TIMEOUT="30")  # a long timeout: the agent, not our detection, ends this job
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(WORLD), os.path.join(HERE, "fault_train.py"), str(out)], env=env, capture_output=True,
-                          text=True, timeout=150, cwd=tmp_path, check=False)
+    env = dict(
+        os.environ,
+        FAULT="kill-step:3:3",
+        OMP_NUM_THREADS="1",
+        TMPDIR=str(tmp_path),
+        PYTHONUNBUFFERED="1",
+        P2P_TIMEOUT="30",
+    )  # a long timeout: the agent, not our detection, ends this job
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(WORLD),
+            os.path.join(HERE, "fault_train.py"),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=tmp_path,
+        check=False,
+    )
     ended = time.monotonic()
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -253,7 +314,10 @@ def test_nonfinite_loss_stops_the_run_naming_step_stage_and_replica(tmp_path, re
     message = f"Step 6: a non-finite loss (nan) on stage 1, replica 1 ({DESCRIBE[3].split(' (')[0]})"
     for r in (2, 3):  # replica 1's column stops at once with the error
         assert "FloatingPointError: " + message in logs[r], logs[r][-3000:]
-    for r in (0, 1):  # replica 0's column: its own error (the NaN's gradients reached it) or the first failure
+    for r in (
+        0,
+        1,
+    ):  # replica 0's column: its own error (the NaN's gradients reached it) or the first failure
         assert "Step 6" in logs[r] and "non-finite" in logs[r], logs[r][-3000:]
     # The last good checkpoint is intact and no later one was started.
     assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == ["checkpoint-4"]
@@ -264,7 +328,10 @@ def test_nonfinite_gradient_can_skip_the_step(tmp_path, reference):
     out = tmp_path / "run"
     codes, _, logs, results = launch(out, FAULT="nan-grad:5:2", NONFINITE="skip")
     assert codes == [0] * WORLD, logs
-    assert "Step 5: non-finite gradients on stage 0, replica 1 (rank 2). Skipping this step on replica 1" in logs[2]
+    assert (
+        "Step 5: non-finite gradients on stage 0, replica 1 (rank 2). Skipping this step on replica 1"
+        in logs[2]
+    )
     for r in range(WORLD):
         assert results[r]["global_step"] == 8 and results[r]["outer_steps"] == 2  # counters stay aligned
         assert all(torch.isfinite(t).all() for t in results[r]["weights"].values())

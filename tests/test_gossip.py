@@ -1,4 +1,5 @@
-"""Pure outer-step logic: settings, defaults, gossip groups, update equations, the divergence estimate."""
+"""Pure outer-step logic: settings and their defaults, gossip groups, update equations, the divergence
+estimate."""
 
 import itertools
 import math
@@ -6,52 +7,56 @@ import math
 import pytest
 import torch
 
-from hf_noloco.gossip import (
-    OUTER_METHODS,
-    diloco_update_,
-    divergence_from_partners,
-    gossip_groups,
-    noloco_update_,
-    resolve_outer_defaults,
-    validate_outer_settings,
-)
+from hf_noloco.config import OUTER_METHODS, OuterSettings
+from hf_noloco.gossip import diloco_update_, divergence_from_partners, gossip_groups, noloco_update_
+
+
+def _hyper(s: OuterSettings) -> dict:
+    return {k: getattr(s, k) for k in ("inner_steps", "outer_lr", "outer_momentum", "outer_averaging")}
 
 
 def test_paper_defaults():
     assert OUTER_METHODS == ("noloco", "diloco", "ddp", "local")
-    assert resolve_outer_defaults("noloco") == {
+    assert _hyper(OuterSettings("noloco")) == {
         "inner_steps": 50,
         "outer_lr": 0.7,
         "outer_momentum": 0.5,
         "outer_averaging": 0.7,
     }
-    assert resolve_outer_defaults("diloco") == {
+    assert _hyper(OuterSettings("diloco")) == {
         "inner_steps": 100,
         "outer_lr": 0.7,
         "outer_momentum": 0.3,
         "outer_averaging": None,
     }
     # gamma follows an explicitly set beta; explicit values win over defaults.
-    assert resolve_outer_defaults("noloco", outer_lr=0.5)["outer_averaging"] == 0.5
-    assert resolve_outer_defaults("noloco", inner_steps=7, outer_averaging=0.1) == {
+    assert OuterSettings("noloco", outer_lr=0.5).outer_averaging == 0.5
+    assert _hyper(OuterSettings("noloco", inner_steps=7, outer_averaging=0.1)) == {
         "inner_steps": 7,
         "outer_lr": 0.7,
         "outer_momentum": 0.5,
         "outer_averaging": 0.1,
     }
-    validate_outer_settings("noloco", 2, 2, None, None, None, None)
-    validate_outer_settings("local", 1, 2, None, None, None, None)
-    validate_outer_settings("ddp", 1, 2, None, None, None, None)
-    validate_outer_settings("diloco", 1, 2, None, None, None, None)
+    assert (
+        not OuterSettings("noloco").sends_slow_weights
+        and OuterSettings("noloco", outer_averaging=0.1).sends_slow_weights
+    )
+    OuterSettings("noloco").check_replicas(2)
+    for method in ("local", "ddp", "diloco"):
+        OuterSettings(method).check_replicas(1)
+    assert _hyper(OuterSettings("ddp")) == dict.fromkeys(
+        ("inner_steps", "outer_lr", "outer_momentum", "outer_averaging")
+    )
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"method": "fsdp"}, "Unknown outer method 'fsdp'"),
+        ({"method": "fsdp"}, "outer_optimizer must be one of noloco, diloco, ddp, local, got 'fsdp'"),
+        ({"dtype": "int8"}, "outer_dtype must be one of float32, bfloat16, got 'int8'"),
         ({"num_replicas": 1}, "no partner.*'local'"),
-        ({"gossip_group_size": 1}, "gossip_group_size must be an integer >= 2"),
-        ({"gossip_group_size": 5}, "gossip_group_size=5 is larger than the 4 replicas"),
+        ({"group_size": 1}, "gossip_group_size must be an integer >= 2"),
+        ({"group_size": 5}, "gossip_group_size=5 is larger than the 4 replicas"),
         ({"inner_steps": 0}, "inner_steps .* positive integer"),
         ({"inner_steps": -3}, "inner_steps .* positive integer"),
         ({"outer_lr": 0.0}, r"outer_lr \(beta\) must be in \(0, 2\]"),
@@ -66,18 +71,9 @@ def test_paper_defaults():
     ],
 )
 def test_bad_settings_get_clear_errors(kwargs, match):
-    args = {
-        "method": "noloco",
-        "num_replicas": 4,
-        "gossip_group_size": 2,
-        "inner_steps": None,
-        "outer_lr": None,
-        "outer_momentum": None,
-        "outer_averaging": None,
-    }
-    args.update(kwargs)
+    num_replicas = kwargs.pop("num_replicas", 4)
     with pytest.raises(ValueError, match=match):
-        validate_outer_settings(**args)
+        OuterSettings(**kwargs).check_replicas(num_replicas)
 
 
 @pytest.mark.parametrize("n, size", [(2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (7, 3), (8, 3), (16, 4), (5, 5)])

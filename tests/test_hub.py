@@ -17,8 +17,9 @@ TOKEN = "hf_fakeTOKENdo_not_leak_1234567890"
 
 
 class FakeHub:
-    """Answers the endpoints ``HfApi.create_repo`` / ``create_branch`` / ``upload_folder`` use for small files:
-    repo create, yaml validation, preupload (always "regular", so no LFS or Xet transfer) and the ndjson commit.
+    """Answers the endpoints ``HfApi.create_repo`` / ``create_branch`` / ``upload_folder`` use for small
+    files: repo create, yaml validation, preupload (always "regular", so no LFS or Xet transfer) and the
+    ndjson commit.
     Records what it received."""
 
     def __init__(self):
@@ -50,8 +51,10 @@ class FakeHub:
                     repo_id = f"{body['organization'] or 'fake-user'}/{body['name']}"
                     if repo_id in hub_state.repos:
                         # Like the Hub: the 409 still names the repo's url, which `exist_ok` returns.
-                        return self._reply(409, {"error": "You already created this model repo",
-                                                 "url": f"{endpoint}/{repo_id}"})
+                        return self._reply(
+                            409,
+                            {"error": "You already created this model repo", "url": f"{endpoint}/{repo_id}"},
+                        )
                     hub_state.repos.add(repo_id)
                     return self._reply(200, {"url": f"{endpoint}/{repo_id}", "name": repo_id})
                 if path == "/api/validate-yaml":
@@ -62,10 +65,20 @@ class FakeHub:
                         return self._reply(404, {"error": "Repository not found"})
                     if action == "preupload":
                         files = json.loads(raw)["files"]
-                        return self._reply(200, {"files": [
-                            {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None}
-                            for f in files
-                        ]})
+                        return self._reply(
+                            200,
+                            {
+                                "files": [
+                                    {
+                                        "path": f["path"],
+                                        "uploadMode": "regular",
+                                        "shouldIgnore": False,
+                                        "oid": None,
+                                    }
+                                    for f in files
+                                ]
+                            },
+                        )
                     if action == "branch":
                         hub_state.branches.add((repo_id, "/".join(parts[5:])))
                         return self._reply(200, {})
@@ -74,15 +87,23 @@ class FakeHub:
                         lines = [json.loads(line) for line in raw.splitlines() if line.strip()]
                         files = {
                             item["value"]["path"]: base64.b64decode(item["value"]["content"])
-                            for item in lines if item["key"] == "file"
+                            for item in lines
+                            if item["key"] == "file"
                         }
                         other = [item["key"] for item in lines if item["key"] not in ("header", "file")]
                         hub_state.commits.append(
-                            {"repo_id": repo_id, "revision": revision, "header": lines[0]["value"], "files": files,
-                             "other": other}
+                            {
+                                "repo_id": repo_id,
+                                "revision": revision,
+                                "header": lines[0]["value"],
+                                "files": files,
+                                "other": other,
+                            }
                         )
                         oid = f"{len(hub_state.commits):040x}"
-                        return self._reply(200, {"commitUrl": f"{endpoint}/{repo_id}/commit/{oid}", "commitOid": oid})
+                        return self._reply(
+                            200, {"commitUrl": f"{endpoint}/{repo_id}/commit/{oid}", "commitOid": oid}
+                        )
                 return self._reply(404, {"error": f"fake hub does not serve {path}"})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -125,9 +146,7 @@ def _export_folder(root):
     return folder, files
 
 
-def test_push_folder_uploads_exactly_the_export_and_never_leaks_token(
-    fake_hub, tmp_path, caplog, capfd
-):
+def test_push_folder_uploads_exactly_the_export_and_never_leaks_token(fake_hub, tmp_path, caplog, capfd):
     from huggingface_hub.utils import logging as hf_logging
 
     folder, files = _export_folder(tmp_path)
@@ -138,8 +157,9 @@ def test_push_folder_uploads_exactly_the_export_and_never_leaks_token(
         with caplog.at_level(logging.DEBUG):
             url = push_folder_to_hub(folder, "fake-user/tiny-noloco", private=True, api=api)
             # Pushing again into the existing repo works (exist_ok), on a new branch.
-            url2 = push_folder_to_hub(folder, "fake-user/tiny-noloco", api=api, revision="dev",
-                                      commit_message="second")
+            url2 = push_folder_to_hub(
+                folder, "fake-user/tiny-noloco", api=api, revision="dev", commit_message="second"
+            )
     finally:
         hf_logging.set_verbosity(old_verbosity)
 

@@ -1,7 +1,7 @@
 import pytest
 import torch.distributed as dist
 
-from dist_harness import run_distributed
+from hf_noloco.local_launch import run_distributed
 from hf_noloco.mesh import PipelineMesh, mesh_shape
 
 

@@ -1,14 +1,14 @@
-"""Perplexity and replica divergence: the metric against a direct computation, the free estimate against it.
-"""
+"""Perplexity and replica divergence: the metric against a direct computation, the estimate against it."""
 
 import functools
 import math
 
 import pytest
 import torch
-from dist_harness import run_distributed
 
+from hf_noloco.config import OuterSettings
 from hf_noloco.gossip import gossip_groups
+from hf_noloco.local_launch import run_distributed
 from hf_noloco.mesh import PipelineMesh
 from hf_noloco.metrics import perplexity, replica_divergence
 from hf_noloco.outer import OuterOptimizer
@@ -52,7 +52,7 @@ def _metrics_job():
         metric = replica_divergence(model, mesh)
         params = [model.a.weight, model.v]
         opt = OuterOptimizer(
-            torch.optim.SGD(params, lr=0.1), params, mesh, method="noloco", inner_steps=1, seed=SEED
+            torch.optim.SGD(params, lr=0.1), params, mesh, OuterSettings("noloco", 1, seed=SEED)
         )
         estimates = []
         for _ in range(DRAWS):  # the same weights each time, new partners each outer step

@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed
 
+from hf_noloco.config import OuterSettings
 from hf_noloco.gossip import gossip_groups
+from hf_noloco.local_launch import run_distributed
 from hf_noloco.mesh import PipelineMesh
 from hf_noloco.metrics import replica_divergence
 from hf_noloco.outer import OuterOptimizer, broadcast_replica_weights
@@ -58,23 +59,16 @@ def _set(params, values):
 # --- the distributed job ------------------------------------------------------------------------------------
 
 
-def _math_run(mesh, model, name, outer_dtype=torch.float32, steps=STEPS):
+def _math_run(mesh, model, name, outer_dtype="float32", steps=STEPS):
     method, alpha, beta, gamma = CONFIGS[name]
     params = list(model.parameters())
     _set(params, _values(0, mesh.stage, mesh.replica))
     inner = torch.optim.SGD(params, lr=LR, momentum=MU)
+    settings = OuterSettings(
+        method, H, outer_lr=beta, outer_momentum=alpha, outer_averaging=gamma, dtype=outer_dtype, seed=SEED
+    )
     opt = OuterOptimizer(
-        inner,
-        params,
-        mesh,
-        method=method,
-        inner_steps=H,
-        outer_lr=beta,
-        outer_momentum=alpha,
-        outer_averaging=gamma,
-        outer_dtype=outer_dtype,
-        seed=SEED,
-        bucket_mb=1e-5,
+        inner, params, mesh, settings, bucket_mb=1e-5
     )  # tiny buckets: one parameter per bucket, to exercise bucketing
     # Start mid-training: phi and delta differ from theta (set through the state dict, as a resume would).
     sd = opt.state_dict()
@@ -150,10 +144,7 @@ def _scenarios(mesh):
                 torch.optim.SGD(params, lr=LR, momentum=MU),
                 params,
                 mesh,
-                method="noloco",
-                inner_steps=H,
-                outer_averaging=0.2,
-                offload_outer_state=True,
+                OuterSettings("noloco", H, outer_averaging=0.2, offload=True),
             )
             fresh.load_state_dict(torch.load(buffer, weights_only=False))
             out["roundtrip"] = {
@@ -177,11 +168,11 @@ def _scenarios(mesh):
                 ],
                 "phi_nonzero": float(_flat(fresh.phi).abs().sum()),
             }
-    _, out["bf16"] = _math_run(mesh, model, "noloco_gamma_eq_beta", torch.bfloat16, steps=H)
+    _, out["bf16"] = _math_run(mesh, model, "noloco_gamma_eq_beta", "bfloat16", steps=H)
 
     # ddp: different gradients on every replica, averaged before the step -> replicas stay bit-identical.
     _set(params, _values(0, mesh.stage, 0))
-    opt = OuterOptimizer(torch.optim.AdamW(params, lr=0.01), params, mesh, method="ddp")
+    opt = OuterOptimizer(torch.optim.AdamW(params, lr=0.01), params, mesh, OuterSettings("ddp"))
     grads_seen = []
     for t in range(3):
         for p, g in zip(params, _values(100 + t, mesh.stage, mesh.replica)):
@@ -194,7 +185,7 @@ def _scenarios(mesh):
 
     # local: no communication at all.
     _set(params, _values(0, mesh.stage, mesh.replica))
-    opt = OuterOptimizer(torch.optim.SGD(params, lr=LR), params, mesh, method="local")
+    opt = OuterOptimizer(torch.optim.SGD(params, lr=LR), params, mesh, OuterSettings("local"))
     for t in range(3):
         for p, g in zip(params, _values(100 + t, mesh.stage, mesh.replica)):
             p.grad = g
@@ -204,9 +195,7 @@ def _scenarios(mesh):
 
     # noloco with inner steps that change nothing: the divergence must shrink geometrically.
     _set(params, _values(0, mesh.stage, mesh.replica))
-    opt = OuterOptimizer(
-        torch.optim.SGD(params, lr=LR), params, mesh, method="noloco", inner_steps=1, seed=SEED
-    )
+    opt = OuterOptimizer(torch.optim.SGD(params, lr=LR), params, mesh, OuterSettings("noloco", 1, seed=SEED))
     divergence = [replica_divergence(model, mesh)]
     for _ in range(20):
         for p in params:
@@ -217,9 +206,7 @@ def _scenarios(mesh):
 
     # A replica with NaN weights: its partners refuse to average them (and it notices itself).
     _set(params, _values(0, mesh.stage, mesh.replica))
-    opt = OuterOptimizer(
-        torch.optim.SGD(params, lr=LR), params, mesh, method="noloco", inner_steps=1, seed=SEED
-    )
+    opt = OuterOptimizer(torch.optim.SGD(params, lr=LR), params, mesh, OuterSettings("noloco", 1, seed=SEED))
     if mesh.replica == 0:
         with torch.no_grad():
             params[0][1, 1] = float("nan")
@@ -454,7 +441,7 @@ def test_wrapper_works_with_lr_schedulers_and_accelerate():
 
     model = torch.nn.Linear(3, 2)
     inner = torch.optim.AdamW(model.parameters(), lr=0.1)
-    opt = OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), method="diloco", inner_steps=2)
+    opt = OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), OuterSettings("diloco", 2))
     assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups is inner.param_groups
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
     wrapped = Accelerator(cpu=True).prepare_optimizer(opt)  # round-trips the state dict (device placement)
@@ -474,13 +461,15 @@ def test_constructor_errors():
     model = torch.nn.Linear(3, 2)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="no partner"):
-        OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), method="noloco")
-    with pytest.raises(ValueError, match="Unknown outer method"):
-        OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), method="allreduce")
+        OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), OuterSettings("noloco"))
+    with pytest.raises(ValueError, match="outer_optimizer must be one of"):
+        OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), OuterSettings("allreduce"))
     with pytest.raises(ValueError, match="outer_dtype"):
-        OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), method="local", outer_dtype=torch.int8)
-    opt = OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), method="local")
+        OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), OuterSettings("local", dtype="int8"))
+    opt = OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), OuterSettings("local"))
     with pytest.raises(ValueError, match="outer method 'diloco'"):
         opt.load_state_dict(
-            OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), "diloco").state_dict()
+            OuterOptimizer(
+                inner, list(model.parameters()), _solo_mesh(), OuterSettings("diloco")
+            ).state_dict()
         )

@@ -5,18 +5,19 @@ import random
 
 import pytest
 import torch
+from tiny_models import make_batch, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hf_noloco.partition import (
     build_stage,
-    causal_lm_loss_sum,
     compute_balanced_boundaries,
     load_stage_weights,
+    next_token_losses,
     split_model,
     stage_compute_costs,
     stage_layer_ranges,
+    target_token_count,
 )
-from tiny_models import make_batch, tiny_config, tiny_model
 
 
 def test_even_split_gives_earlier_stages_the_remainder():
@@ -28,7 +29,10 @@ def test_even_split_gives_earlier_stages_the_remainder():
 def _stage_costs(costs, boundaries, last_stage_cost):
     starts = [0, *boundaries]
     ends = [*boundaries, len(costs)]
-    return [sum(costs[a:b]) + (last_stage_cost if s == len(starts) - 1 else 0) for s, (a, b) in enumerate(zip(starts, ends))]
+    return [
+        sum(costs[a:b]) + (last_stage_cost if s == len(starts) - 1 else 0)
+        for s, (a, b) in enumerate(zip(starts, ends))
+    ]
 
 
 def test_compute_balance_without_extra_cost_is_the_even_split():
@@ -47,11 +51,16 @@ def test_compute_balance_minimises_the_costliest_stage():
         costs = [rng.randint(1, 20) for _ in range(layers)]
         extra = rng.randint(0, 40)
         splits = [list(b) for b in itertools.combinations(range(1, layers), stages - 1)]
-        best = min((max(_stage_costs(costs, b, extra)), sum(c * c for c in _stage_costs(costs, b, extra)))
-                   for b in splits)
+        best = min(
+            (max(_stage_costs(costs, b, extra)), sum(c * c for c in _stage_costs(costs, b, extra)))
+            for b in splits
+        )
         got = compute_balanced_boundaries(costs, stages, extra)
         assert got in splits
-        assert (max(_stage_costs(costs, got, extra)), sum(c * c for c in _stage_costs(costs, got, extra))) == best
+        assert (
+            max(_stage_costs(costs, got, extra)),
+            sum(c * c for c in _stage_costs(costs, got, extra)),
+        ) == best
 
 
 def test_compute_balance_moves_layers_off_the_last_stage():
@@ -122,8 +131,7 @@ def test_stages_compose_to_the_unsplit_model(family, layers, stages, boundaries)
     for part in parts:
         hidden = part(hidden, attention_mask=batch["attention_mask"])
     torch.testing.assert_close(hidden, reference.logits, rtol=0, atol=1e-6)
-    loss_sum, tokens = causal_lm_loss_sum(hidden, batch["labels"])
-    loss = loss_sum / tokens
+    loss = next_token_losses(hidden, batch["labels"]).sum() / target_token_count(batch["labels"])
     torch.testing.assert_close(loss, reference.loss, rtol=0, atol=1e-6)
     loss.backward()
     for part in parts:
@@ -175,9 +183,13 @@ def test_fresh_initialisation_does_not_depend_on_the_split(stages, balance):
     for name, tensor in whole.items():
         assert torch.equal(pieces[name], tensor), name
     other = build_stage(config, 0, 1, seed=12).state_dict()
-    assert not torch.equal(other["model.layers.0.mlp.up_proj.weight"], whole["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(
+        other["model.layers.0.mlp.up_proj.weight"], whole["model.layers.0.mlp.up_proj.weight"]
+    )
     # the modules do not share one draw: different layers get different weights
-    assert not torch.equal(whole["model.layers.0.mlp.up_proj.weight"], whole["model.layers.1.mlp.up_proj.weight"])
+    assert not torch.equal(
+        whole["model.layers.0.mlp.up_proj.weight"], whole["model.layers.1.mlp.up_proj.weight"]
+    )
 
 
 def test_loading_a_checkpoint_missing_a_tensor_names_it(tmp_path):

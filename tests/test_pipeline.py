@@ -5,14 +5,16 @@ import time
 
 import pytest
 import torch
+from test_routing import origin
+from tiny_models import make_batch, shard, tiny_model
 
-from dist_harness import run_distributed
 from hf_noloco.comm import PeerError
+from hf_noloco.config import PIPELINE_SCHEDULES as SCHEDULES
+from hf_noloco.local_launch import run_distributed
 from hf_noloco.mesh import PipelineMesh
 from hf_noloco.partition import split_model
-from hf_noloco.pipeline import SCHEDULES, PipelineEngine, pipeline_order
+from hf_noloco.pipeline import PipelineEngine, pipeline_order
 from hf_noloco.routing import Router
-from tiny_models import make_batch, shard, tiny_model
 
 ROWS_PER_REPLICA, SEQ, MICRO, START = 6, 10, 2, 8
 
@@ -23,13 +25,21 @@ def _run_engine(pp, layers, boundaries, routings):
     mesh = PipelineMesh.build(pp)
     model = tiny_model("llama", layers, seed=5)
     stage = split_model(model, mesh.stage, pp, boundaries)
-    batch = shard(make_batch(ROWS_PER_REPLICA * mesh.num_replicas, SEQ, seed=6), mesh.replica, mesh.num_replicas)
+    batch = shard(
+        make_batch(ROWS_PER_REPLICA * mesh.num_replicas, SEQ, seed=6), mesh.replica, mesh.num_replicas
+    )
     out = {}
     for routing in routings:
         for schedule in SCHEDULES:
             stage.zero_grad(set_to_none=True)
-            engine = PipelineEngine(stage, mesh, Router(mesh.num_replicas, routing, seed=11), MICRO, p2p_timeout=30,
-                                    schedule=schedule)
+            engine = PipelineEngine(
+                stage,
+                mesh,
+                Router(mesh.num_replicas, routing, seed=11),
+                MICRO,
+                p2p_timeout=30,
+                schedule=schedule,
+            )
             engine.samples_seen, engine.step_index = START, 3
             result = engine.train_step(batch)
             peak = engine.peak_microbatches_held
@@ -37,7 +47,10 @@ def _run_engine(pp, layers, boundaries, routings):
             out[routing, schedule] = dict(
                 loss=None if result.loss is None else result.loss.item(),
                 grads={n: p.grad.clone() for n, p in stage.named_parameters()},
-                sample_ids=result.sample_ids, samples_seen=engine.samples_seen, evaluated=evaluated, peak=peak,
+                sample_ids=result.sample_ids,
+                samples_seen=engine.samples_seen,
+                evaluated=evaluated,
+                peak=peak,
             )
     return mesh.stage, mesh.replica, out
 
@@ -87,7 +100,9 @@ def test_routing_does_not_change_the_mathematics(pp, dp, layers, boundaries, rou
         for stage, replicas in by_stage.items():
             for name in replicas[0]["grads"]:
                 got = sum(replicas[r]["grads"][name] for r in range(dp)) / dp
-                torch.testing.assert_close(got, mean_grads[name], rtol=1e-4, atol=1e-6, msg=f"{routing} {name}")
+                torch.testing.assert_close(
+                    got, mean_grads[name], rtol=1e-4, atol=1e-6, msg=f"{routing} {name}"
+                )
             if routing == "fixed":  # one column is one model: exact per replica, not only on average
                 for r in range(dp):
                     assert replicas[r]["samples_seen"] == START + ROWS_PER_REPLICA
@@ -103,9 +118,9 @@ def test_routing_does_not_change_the_mathematics(pp, dp, layers, boundaries, rou
                 for r in range(dp):
                     for j, sample_id in enumerate(replicas[r]["sample_ids"][m]):
                         slot = START + m * MICRO + j
-                        assert sample_id == slot * dp + router_of[routing].origin(stage, 3, slot, r)
+                        assert sample_id == slot * dp + origin(router_of[routing], stage, 3, slot, r)
         # Evaluation: fixed routing, every rank of column r returns column r's summed loss and tokens.
-        for stage, replicas in by_stage.items():
+        for replicas in by_stage.values():
             for r in range(dp):
                 loss_sum, tokens = replicas[r]["evaluated"]
                 assert tokens == sums[r][1]
@@ -140,7 +155,10 @@ def _bad_batches():
     stage = split_model(tiny_model("llama", 2), 0, 1)
     engine = PipelineEngine(stage, mesh, Router(1, "fixed"), 4)
     errors = []
-    for batch in (make_batch(6, 8, seed=0), {**make_batch(4, 8, seed=0), "labels": torch.zeros(4, 7, dtype=torch.long)}):
+    for batch in (
+        make_batch(6, 8, seed=0),
+        {**make_batch(4, 8, seed=0), "labels": torch.zeros(4, 7, dtype=torch.long)},
+    ):
         try:
             engine.train_step(batch)
         except ValueError as exc:
@@ -159,7 +177,9 @@ def test_pipeline_orders_run_each_microbatch_forward_then_backward_once(num_micr
     for schedule in SCHEDULES:
         for stage in range(num_stages):
             order = pipeline_order(schedule, num_micro, num_stages, stage)
-            assert sorted(order) == sorted([("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)])
+            assert sorted(order) == sorted(
+                [("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)]
+            )
             assert all(order.index(("F", m)) < order.index(("B", m)) for m in range(num_micro))
             backwards = [m for op, m in order if op == "B"]
             assert backwards == sorted(backwards)  # both ends of a link see gradients in the same order
@@ -168,5 +188,5 @@ def test_pipeline_orders_run_each_microbatch_forward_then_backward_once(num_micr
                 held += 1 if op == "F" else -1
                 peak = max(peak, held)
             assert peak == (min(num_stages - stage, num_micro) if schedule == "1f1b" else num_micro)
-    with pytest.raises(ValueError, match="Unknown pipeline schedule 'zb'"):
+    with pytest.raises(ValueError, match="pipeline_schedule must be one of 1f1b, gpipe, got 'zb'"):
         pipeline_order("zb", 2, 2, 0)

@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, LlamaConfig
-
-from dist_harness import run_distributed
-from hf_noloco.config import NoLoCoConfig
-from hf_noloco.partition import split_model
 from test_hub import FakeHub
 from tiny_models import tiny_model
-from wandb_records import history_rows
+from transformers import AutoModelForCausalLM, LlamaConfig
+from wandb_records import history_rows, metric_summaries, run_config
+
+from hf_noloco.config import DataArguments, NoLoCoConfig
+from hf_noloco.local_launch import run_distributed
+from hf_noloco.partition import split_model
 
 BLOCK = 32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,23 +26,43 @@ def byte_corpus(blocks: int, offset: int = 0) -> Dataset:
     """Real English text (CPython's pydoc topics) as byte tokens: no tokenizer to train."""
     from pydoc_data.topics import topics
 
-    data = "\n".join(topics[k] for k in sorted(topics)).encode()[offset * BLOCK:]
-    rows = [list(data[i * BLOCK:(i + 1) * BLOCK]) for i in range(blocks)]
+    data = "\n".join(topics[k] for k in sorted(topics)).encode()[offset * BLOCK :]
+    rows = [list(data[i * BLOCK : (i + 1) * BLOCK]) for i in range(blocks)]
     return Dataset.from_dict({"input_ids": rows, "labels": rows})
 
 
 def byte_config(layers=4, vocab_size=256):
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def make_args(out, **overrides) -> NoLoCoConfig:
     settings = dict(
-        output_dir=str(out), pipeline_stages=2, per_device_train_batch_size=8, microbatch_size=2,
-        per_device_eval_batch_size=8, learning_rate=3e-3, warmup_steps=0, lr_scheduler_type="constant",
-        max_steps=40, logging_steps=5, eval_strategy="steps", eval_steps=20, save_strategy="no",
-        report_to="none", disable_tqdm=True, inner_steps=5, seed=3,
+        output_dir=str(out),
+        pipeline_stages=2,
+        per_device_train_batch_size=8,
+        microbatch_size=2,
+        per_device_eval_batch_size=8,
+        learning_rate=3e-3,
+        warmup_steps=0,
+        lr_scheduler_type="constant",
+        max_steps=40,
+        logging_steps=5,
+        eval_strategy="steps",
+        eval_steps=20,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        inner_steps=5,
+        seed=3,
     )
     settings.update(overrides)
     return NoLoCoConfig(**settings)
@@ -54,10 +74,23 @@ def _train_wandb_export_push(out, endpoint):
     from hf_noloco.trainer import NoLoCoTrainer
 
     huggingface_hub.constants.ENDPOINT = endpoint
-    args = make_args(out, report_to="wandb", eval_on_start=True, divergence_steps=10, push_to_hub=True, inner_steps=3,
-                     hub_model_id="fake-user/tiny-noloco", hub_token="hf_fake_token_123")
-    trainer = NoLoCoTrainer(byte_config(), args, train_dataset=byte_corpus(256), eval_dataset=byte_corpus(32, 300),
-                            dataset_name="pydoc-topics")
+    args = make_args(
+        out,
+        report_to="wandb",
+        eval_on_start=True,
+        divergence_steps=10,
+        push_to_hub=True,
+        inner_steps=3,
+        hub_model_id="fake-user/tiny-noloco",
+        hub_token="hf_fake_token_123",
+    )
+    trainer = NoLoCoTrainer(
+        byte_config(),
+        args,
+        train_dataset=byte_corpus(256),
+        eval_dataset=byte_corpus(32, 300),
+        data_args=DataArguments(dataset_name="pydoc-topics", block_size=BLOCK),
+    )
     trainer.train()
     trainer.evaluate()
     final = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -88,8 +121,19 @@ def test_noloco_run_learns_logs_exports_and_pushes(tmp_path, monkeypatch):
     keys = set().union(*rows)
     assert {"eval/perplexity", "train/replica_divergence", "train/loss"} <= keys
     assert any(r.get("train/replica_divergence", 0) > 0 for r in rows)  # replicas do differ between syncs
+    config = run_config(str(tmp_path / "wandb-home"))
+    noloco = config["noloco"]
+    assert (noloco["num_replicas"], noloco["pipeline_stages"], noloco["routing"]) == (2, 2, "sample")
+    assert (noloco["inner_steps"], noloco["outer_lr"], noloco["outer_momentum"]) == (3, 0.7, 0.5)
+    assert config["data"]["dataset_name"] == "pydoc-topics" and config["data"]["block_size"] == BLOCK
+    assert (
+        noloco["optimizer"] == "adamw_torch_fused" and config["num_hidden_layers"] == 4
+    )  # the model config (the Trainer's own callback)
+    summaries = metric_summaries(str(tmp_path / "wandb-home"))
+    assert "min" in summaries["eval/perplexity"] and "last" in summaries["train/replica_divergence*"]
 
-    # Export: one ordinary checkpoint whose weights are the mean of each stage's replicas (rank = replica*2 + stage).
+    # Export: one ordinary checkpoint whose weights are the mean of each stage's replicas (rank = replica*2 +
+    # stage).
     model = AutoModelForCausalLM.from_pretrained(out)
     for name, tensor in model.state_dict().items():
         stage = 0 if name in finals[0] else 1
@@ -119,26 +163,43 @@ def _straight_then_resumed(out):
     data = byte_corpus(256)
     runs = []
     for resume in (None, os.path.join(out, "checkpoint-6")):
-        args = make_args(out, max_steps=12, logging_steps=1, eval_strategy="no", save_strategy="steps", save_steps=6,
-                         inner_steps=4, outer_optimizer="noloco", routing="sample", lr_scheduler_type="cosine",
-                         warmup_steps=2, stage_balance="compute")
+        args = make_args(
+            out,
+            max_steps=12,
+            logging_steps=1,
+            eval_strategy="no",
+            save_strategy="steps",
+            save_steps=6,
+            inner_steps=4,
+            outer_optimizer="noloco",
+            routing="sample",
+            lr_scheduler_type="cosine",
+            warmup_steps=2,
+            stage_balance="compute",
+        )
         # A 1024-word lm_head weighs 2.4 layers: the compute-balanced split is 3/1, not 2/2.
         trainer = NoLoCoTrainer(byte_config(vocab_size=1024), args, train_dataset=data)
         assert trainer.model.all_layer_ranges == [(0, 3), (3, 4)]
         trainer.train(resume_from_checkpoint=resume)
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
-        runs.append((losses, {k: v.clone() for k, v in trainer.model.state_dict().items()},
-                     trainer.outer.outer_step_count))
+        runs.append(
+            (
+                losses,
+                {k: v.clone() for k, v in trainer.model.state_dict().items()},
+                trainer.outer.outer_step_count,
+            )
+        )
     args = make_args(out, max_steps=12, inner_steps=4, eval_strategy="no")  # even split: cannot resume 3/1
     with pytest.raises(ValueError, match=r"layer_ranges=\[\[0, 3\], \[3, 4\]\]"):
         NoLoCoTrainer(byte_config(vocab_size=1024), args, train_dataset=data).train(
-            resume_from_checkpoint=os.path.join(out, "checkpoint-6"))
+            resume_from_checkpoint=os.path.join(out, "checkpoint-6")
+        )
     trainer.end()
     return runs
 
 
 def test_resume_continues_exactly(tmp_path):
-    for (straight, resumed) in run_distributed(_straight_then_resumed, 4, str(tmp_path / "run"), timeout_s=180):
+    for straight, resumed in run_distributed(_straight_then_resumed, 4, str(tmp_path / "run"), timeout_s=180):
         losses, weights, outer_steps = straight
         resumed_losses, resumed_weights, resumed_outer_steps = resumed
         assert outer_steps == resumed_outer_steps == 3  # outer steps at 4, 8 and 12 straddle the resume
@@ -153,11 +214,20 @@ def _finetune(path, eval_rows):
     from hf_noloco.trainer import NoLoCoTrainer
 
     eval_set = Dataset.from_dict({"input_ids": eval_rows, "labels": eval_rows})
-    args = make_args(os.path.join(path, "out"), max_steps=10, eval_strategy="no", learning_rate=1e-2,
-                     outer_optimizer="diloco")
+    args = make_args(
+        os.path.join(path, "out"),
+        max_steps=10,
+        eval_strategy="no",
+        learning_rate=1e-2,
+        outer_optimizer="diloco",
+    )
     rows = [[(i * 7 + j) % 96 for j in range(BLOCK)] for i in range(64)]
-    trainer = NoLoCoTrainer(path, args, train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}),
-                            eval_dataset=eval_set)
+    trainer = NoLoCoTrainer(
+        path,
+        args,
+        train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}),
+        eval_dataset=eval_set,
+    )
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
     after = trainer.evaluate(Dataset.from_dict({"input_ids": rows[:16], "labels": rows[:16]}))["eval_loss"]
@@ -186,15 +256,28 @@ def _bad_trainer_inputs(folder):
 
     errors = {}
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(
-        os.path.join(folder, "gpt2"))
+        os.path.join(folder, "gpt2")
+    )
     attempts = {
-        "not_llama": lambda: NoLoCoTrainer(os.path.join(folder, "gpt2"), make_args(folder, pipeline_stages=1,
-                                                                                   outer_optimizer="local")),
-        "too_small": lambda: NoLoCoTrainer(byte_config(), make_args(folder, pipeline_stages=1, outer_optimizer="local",
-                                                                    eval_strategy="no"),
-                                           train_dataset=byte_corpus(5)),
-        "push_without_repo": lambda: NoLoCoTrainer(byte_config(), make_args(
-            folder, pipeline_stages=1, outer_optimizer="local", push_to_hub=True, hub_token="hf_x", eval_strategy="no")),
+        "not_llama": lambda: NoLoCoTrainer(
+            os.path.join(folder, "gpt2"), make_args(folder, pipeline_stages=1, outer_optimizer="local")
+        ),
+        "too_small": lambda: NoLoCoTrainer(
+            byte_config(),
+            make_args(folder, pipeline_stages=1, outer_optimizer="local", eval_strategy="no"),
+            train_dataset=byte_corpus(5),
+        ),
+        "push_without_repo": lambda: NoLoCoTrainer(
+            byte_config(),
+            make_args(
+                folder,
+                pipeline_stages=1,
+                outer_optimizer="local",
+                push_to_hub=True,
+                hub_token="hf_x",
+                eval_strategy="no",
+            ),
+        ),
     }
     for name, attempt in attempts.items():
         try:
@@ -202,8 +285,13 @@ def _bad_trainer_inputs(folder):
         except ValueError as exc:
             errors[name] = str(exc)
     os.makedirs(os.path.join(folder, "old", "checkpoint-3"))
-    trainer = NoLoCoTrainer(byte_config(), make_args(os.path.join(folder, "old"), pipeline_stages=1,
-                                                     outer_optimizer="local", eval_strategy="no"), train_dataset=byte_corpus(16))
+    trainer = NoLoCoTrainer(
+        byte_config(),
+        make_args(
+            os.path.join(folder, "old"), pipeline_stages=1, outer_optimizer="local", eval_strategy="no"
+        ),
+        train_dataset=byte_corpus(16),
+    )
     try:
         trainer.train()
     except ValueError as exc:
@@ -212,8 +300,16 @@ def _bad_trainer_inputs(folder):
     other = os.path.join(folder, "other", "checkpoint-4")
     os.makedirs(other)
     with open(os.path.join(other, "noloco_mesh.json"), "w") as f:
-        json.dump({"pipeline_stages": 2, "num_replicas": 2, "layer_ranges": [[0, 2], [2, 4]],
-                   "outer_optimizer": "noloco", "routing": "sample"}, f)
+        json.dump(
+            {
+                "pipeline_stages": 2,
+                "num_replicas": 2,
+                "layer_ranges": [[0, 2], [2, 4]],
+                "outer_optimizer": "noloco",
+                "routing": "sample",
+            },
+            f,
+        )
     try:
         trainer.train(resume_from_checkpoint=other)
     except ValueError as exc:
@@ -254,20 +350,44 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
     from hf_noloco.cli import _tokenizer, parse_args
 
     tiny_model("llama", 2).save_pretrained(tmp_path)
-    model_args, data_args, config = parse_args(["--model_name_or_path", str(tmp_path), "--output_dir",
-                                                str(tmp_path / "o"), "--outer_optimizer", "local"])
+    model_args, data_args, config = parse_args(
+        [
+            "--model_name_or_path",
+            str(tmp_path),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--outer_optimizer",
+            "local",
+        ]
+    )
     with pytest.raises(ValueError, match="No tokenizer could be loaded"):
         _tokenizer(model_args, data_args, config)
 
 
 def test_a_failing_rank_ends_the_whole_launch(tmp_path):
-    """Launched like a user would: every rank fails before training, with the error shown, and nothing hangs."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_DATASETS_CACHE=str(tmp_path / "cache"))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           os.path.join(ROOT, "recipes", "accelerate_configs", "cpu.yaml"), "--num_processes", "2",
-           os.path.join(ROOT, "recipes", "train.py"), os.path.join(ROOT, "recipes", "llama-tiny", "noloco.yaml"),
-           "--output_dir", str(tmp_path / "out"), "--max_train_samples", "1", "--report_to", "none",
-           "--pipeline_stages", "1"]
+    """Launched as a user would: every rank fails before training, with the error shown; nothing hangs."""
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_DATASETS_CACHE=str(tmp_path / "cache")
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(ROOT, "recipes", "accelerate_configs", "cpu.yaml"),
+        "--num_processes",
+        "2",
+        os.path.join(ROOT, "recipes", "train.py"),
+        os.path.join(ROOT, "recipes", "llama-tiny", "noloco.yaml"),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--max_train_samples",
+        "1",
+        "--report_to",
+        "none",
+        "--pipeline_stages",
+        "1",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode != 0
     assert "fewer than one batch per replica" in proc.stdout + proc.stderr

@@ -8,8 +8,14 @@ VOCAB = 96
 
 def tiny_config(family: str = "llama", layers: int = 4, hidden: int = 32):
     common = dict(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
     )
     if family == "llama":
         return LlamaConfig(**common)
@@ -44,4 +50,4 @@ def make_batch(rows: int, seq_len: int, seed: int, padded: bool = True) -> dict[
 
 def shard(batch: dict, replica: int, num_replicas: int) -> dict:
     rows = batch["input_ids"].shape[0] // num_replicas
-    return {k: v[replica * rows: (replica + 1) * rows] for k, v in batch.items()}
+    return {k: v[replica * rows : (replica + 1) * rows] for k, v in batch.items()}
