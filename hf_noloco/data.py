@@ -25,6 +25,8 @@ import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict
 
 from .config import BUILTIN_DATASET, is_local_dataset_path
+from .encoding import DocumentEncoder, dataset_format, make_encoder, pad_row, set_pad_token
+from .streaming import TokenStream
 
 # Special tokens of the tokenizer trained by `train_bpe_tokenizer`.
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
@@ -187,20 +189,16 @@ def builtin_corpus(cache_dir: str | None = None) -> Dataset:
 
 
 def _check_text_column(dataset, text_column: str, what: str) -> None:
+    """Checks that the dataset has a format :mod:`hf_noloco.encoding` reads (a text column, conversations,
+    prompt/completion pairs or token ids); the error lists its columns."""
     # Streaming datasets may not know their columns until read; `None` means "cannot check yet".
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, dict):  # DatasetDict: {split: columns}
         for split, split_columns in columns.items():
-            if text_column not in split_columns:
-                raise ValueError(
-                    f"The dataset {what} has no text column {text_column!r} in its {split!r} split; its "
-                    f"columns are {split_columns}. Pass the right one with text_column=..."
-                )
-    elif columns is not None and text_column not in columns:
-        raise ValueError(
-            f"The dataset {what} has no text column {text_column!r}; its columns are {columns}. "
-            "Pass the right one with text_column=..."
-        )
+            if split_columns is not None:
+                dataset_format(split_columns, text_column, f"{what} (its {split!r} split)")
+    elif columns is not None:
+        dataset_format(columns, text_column, what)
 
 
 def _local_data_files(path: str) -> tuple[str, list[str]]:
@@ -356,11 +354,15 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, output_dir
 # Tokenization and packing
 
 
-def _tokenize(batch: dict[str, list], tokenizer, text_column: str, eos_token_id: int) -> dict[str, list]:
-    # No special tokens from the tokenizer (some add a bos, some do not): the document separator is ours,
-    # one eos after each document, so the model learns where documents end.
-    encoded = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
-    return {"input_ids": [ids + [eos_token_id] for ids in encoded]}
+def _encode(batch: dict[str, list], encoder: DocumentEncoder) -> dict[str, list]:
+    # Rows with nothing to train on (empty text, ...) are dropped here: a batched map may return fewer rows.
+    out: dict[str, list] = {"input_ids": [], "labels": []}
+    for values in zip(*batch.values()):
+        encoded = encoder(dict(zip(batch, values)))
+        if encoded is not None:
+            out["input_ids"].append(encoded[0])
+            out["labels"].append(encoded[1])
+    return out
 
 
 def _pack(
@@ -371,6 +373,7 @@ def _pack(
     ``offsets[i]`` is where document ``i`` starts in the concatenation of all documents, so the result
     is the same as packing the whole stream at once, whatever the batch size or ``num_proc``. The last
     block of a batch may need tokens of the following documents; they are read from ``source``.
+    ``input_ids`` and ``labels`` are packed alike.
     """
     first, end_doc = indices[0], indices[-1] + 1
     start, end = int(offsets[first]), int(offsets[end_doc])
@@ -379,16 +382,33 @@ def _pack(
     block_starts = range(first_block * block_size, min(end, total - block_size + 1), block_size)
     if len(block_starts) == 0:
         return {"input_ids": [], "labels": []}
-    stream = [t for ids in batch["input_ids"] for t in ids]
     need = block_starts[-1] + block_size  # global position one past the last token we must have
-    if need > end:
-        # Read just the documents that cover [end, need).
-        last_doc = int(np.searchsorted(offsets, need, side="left"))
-        for ids in source[end_doc:last_doc]["input_ids"]:
-            stream.extend(ids)
-    blocks = [stream[s - start : s - start + block_size] for s in block_starts]
-    # labels == input_ids: causal LMs in transformers shift the labels inside forward.
-    return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+    packed = {}
+    for column in ("input_ids", "labels"):
+        stream = [t for ids in batch[column] for t in ids]
+        if need > end:
+            # Read just the documents that cover [end, need).
+            last_doc = int(np.searchsorted(offsets, need, side="left"))
+            for ids in source[end_doc:last_doc][column]:
+                stream.extend(ids)
+        packed[column] = [stream[s - start : s - start + block_size] for s in block_starts]
+    return packed
+
+
+def encode_dataset(
+    dataset: Dataset, encoder: DocumentEncoder, num_proc: int | None = None, batch_size: int = 1000
+) -> Dataset:
+    """``input_ids`` and ``labels`` of every row that has something to train on (see
+    :class:`~hf_noloco.encoding.DocumentEncoder`), in order; the other columns are dropped."""
+    return dataset.map(
+        _encode,
+        batched=True,
+        batch_size=batch_size,
+        num_proc=num_proc,
+        remove_columns=dataset.column_names,
+        fn_kwargs={"encoder": encoder},
+        desc=f"Tokenizing ({encoder.fmt})",
+    )
 
 
 def pack_dataset(
@@ -398,18 +418,23 @@ def pack_dataset(
     text_column: str = "text",
     num_proc: int | None = None,
     batch_size: int = 1000,
+    encoder: DocumentEncoder | None = None,
 ) -> Dataset:
-    """Tokenizes ``dataset[text_column]`` and packs it into blocks of exactly ``block_size`` tokens.
+    """Tokenizes ``dataset`` and packs it into blocks of exactly ``block_size`` tokens.
 
-    The documents are concatenated in order, each followed by the tokenizer's eos token, and the stream
-    is cut into consecutive blocks; the ragged tail (fewer than ``block_size`` tokens) is dropped. Blocks
-    may span documents (standard for pretraining). Both steps are ``Dataset.map(batched=True)`` calls, so
-    ``datasets`` caches them (for datasets backed by files) and runs them on ``num_proc`` processes; the
-    result does not depend on ``num_proc`` or ``batch_size`` (documents per map batch; lower it to save
-    memory on long documents).
+    The documents are concatenated in order and the stream is cut into consecutive blocks; the ragged tail
+    (fewer than ``block_size`` tokens) is dropped. Blocks may span documents, and attention then crosses
+    them (standard for pretraining; the end-of-text token between documents tells the model where one
+    ends). Text documents get the tokenizer's beginning-of-text token if it adds one and an end-of-text token
+    after each (``encoder`` decides; by default :func:`~hf_noloco.encoding.make_encoder`'s); empty and
+    whitespace-only rows are dropped; pre-tokenized rows (an ``input_ids`` column) are used as they are.
+    Both steps are ``Dataset.map(batched=True)`` calls, so ``datasets`` caches them (for datasets backed by
+    files) and runs them on ``num_proc`` processes; the result does not depend on ``num_proc`` or
+    ``batch_size`` (documents per map batch; lower it to save memory on long documents).
 
     Returns:
-        A `Dataset` with columns ``input_ids`` and ``labels`` (equal; the model shifts labels itself).
+        A `Dataset` with columns ``input_ids`` and ``labels`` (equal for text; the model shifts labels
+        itself).
 
     Raises:
         ValueError: a missing text column, a tokenizer without eos, or too few tokens for one block.
@@ -417,20 +442,9 @@ def pack_dataset(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}.")
     _check_text_column(dataset, text_column, "to pack")
-    eos_token_id = tokenizer.eos_token_id
-    if eos_token_id is None:
-        raise ValueError(
-            "The tokenizer has no eos token, which packing puts between documents; set tokenizer.eos_token."
-        )
-    tokenized = dataset.map(
-        _tokenize,
-        batched=True,
-        batch_size=batch_size,
-        num_proc=num_proc,
-        remove_columns=dataset.column_names,
-        fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "eos_token_id": eos_token_id},
-        desc=f"Tokenizing ({text_column})",
-    )
+    if encoder is None:
+        encoder, _ = make_encoder(tokenizer, dataset.column_names, text_column, packing=True)
+    tokenized = encode_dataset(dataset, encoder, num_proc, batch_size)
     if tokenized.num_rows > 0:
         lengths = pc.list_value_length(tokenized.data.column("input_ids")).to_numpy(zero_copy_only=False)
     else:
@@ -451,6 +465,41 @@ def pack_dataset(
         remove_columns=tokenized.column_names,
         fn_kwargs={"offsets": offsets, "block_size": block_size, "source": tokenized},
         desc=f"Packing into blocks of {block_size}",
+    )
+
+
+def _pad(batch: dict[str, list], block_size: int, pad_token_id: int) -> dict[str, list]:
+    rows = [
+        pad_row(ids, labels, block_size, pad_token_id)
+        for ids, labels in zip(batch["input_ids"], batch["labels"])
+    ]
+    return {key: [row[key] for row in rows] for key in ("input_ids", "labels", "attention_mask")}
+
+
+def pad_dataset(
+    dataset: Dataset,
+    encoder: DocumentEncoder,
+    block_size: int,
+    pad_token_id: int,
+    num_proc: int | None = None,
+    batch_size: int = 1000,
+) -> Dataset:
+    """One row per document, truncated and right-padded to exactly ``block_size`` tokens (attention mask 0 and
+    labels -100 on the padding), so attention never crosses two documents and every batch has one shape.
+    Rows left with nothing to train on are dropped (:class:`~hf_noloco.encoding.DocumentEncoder`)."""
+    encoded = encode_dataset(dataset, encoder, num_proc, batch_size)
+    if encoded.num_rows == 0:
+        raise ValueError(
+            f"None of the dataset's {dataset.num_rows} rows has a token to train on within block_size="
+            f"{block_size}."
+        )
+    return encoded.map(
+        _pad,
+        batched=True,
+        batch_size=batch_size,
+        num_proc=num_proc,
+        fn_kwargs={"block_size": block_size, "pad_token_id": pad_token_id},
+        desc=f"Padding to {block_size} tokens",
     )
 
 
@@ -505,12 +554,24 @@ def prepare_datasets(
     num_proc: int | None = None,
     max_train_samples: int | None = None,
     seed: int = 42,
+    *,
+    max_eval_samples: int | None = None,
+    packing: bool | None = None,
+    add_bos: bool | None = None,
+    add_eos: bool | None = None,
+    assistant_only_loss: bool = False,
+    completion_only_loss: bool | None = None,
+    pad_token: str | None = None,
 ) -> tuple[Dataset, Dataset]:
-    """Loads ``dataset_name`` and returns packed ``(train, eval)`` datasets of ``block_size``-token blocks.
+    """Loads ``dataset_name`` and returns ``(train, eval)`` datasets of ``block_size``-token rows.
 
     The eval documents come from `load_splits` (the dataset's validation/test split, or a deterministic
-    carve-out of ``validation_split_percentage`` % of the documents before packing). Each side is then
-    packed with `pack_dataset`. ``max_train_samples`` keeps the first that many train BLOCKS.
+    carve-out of ``validation_split_percentage`` % of the documents before packing). Each side is then packed
+    with `pack_dataset` (text and pre-tokenized rows, by default) or padded, one document per row, with
+    `pad_dataset` (conversations and prompt/completion pairs, or ``packing=False``); the keyword options are
+    those of :func:`~hf_noloco.encoding.make_encoder`. ``max_train_samples`` / ``max_eval_samples`` keep the
+    first that many train / eval ROWS. The tokenizer gets a padding token if it has none
+    (:func:`~hf_noloco.encoding.set_pad_token`).
     """
     train_docs, eval_docs = load_splits(
         dataset_name,
@@ -519,9 +580,28 @@ def prepare_datasets(
         validation_split_percentage=validation_split_percentage,
         seed=seed,
     )
-    train = pack_dataset(train_docs, tokenizer, block_size, text_column=text_column, num_proc=num_proc)
+    encoder, packing = make_encoder(
+        tokenizer,
+        train_docs.column_names,
+        text_column,
+        packing=packing,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        assistant_only_loss=assistant_only_loss,
+        completion_only_loss=completion_only_loss,
+        block_size=block_size,
+    )
+    _check_same_format(eval_docs.column_names, encoder, dataset_name)
+    pad_token_id = set_pad_token(tokenizer, pad_token)
+
+    def build(docs: Dataset) -> Dataset:
+        if packing:
+            return pack_dataset(docs, tokenizer, block_size, text_column, num_proc, encoder=encoder)
+        return pad_dataset(docs, encoder, block_size, pad_token_id, num_proc)
+
+    train = build(train_docs)
     try:
-        eval_ = pack_dataset(eval_docs, tokenizer, block_size, text_column=text_column, num_proc=num_proc)
+        eval_ = build(eval_docs)
     except ValueError as e:
         raise ValueError(
             f"The validation documents are too small for one block ({e}) Raise validation_split_percentage "
@@ -529,4 +609,132 @@ def prepare_datasets(
         ) from e
     if max_train_samples is not None:
         train = train.select(range(min(max_train_samples, train.num_rows)))
+    if max_eval_samples is not None:
+        eval_ = eval_.select(range(min(max_eval_samples, eval_.num_rows)))
     return train, eval_
+
+
+def _check_same_format(columns, encoder: DocumentEncoder, dataset_name: str) -> None:
+    if columns is not None and dataset_format(columns, encoder.text_column) != encoder.fmt:
+        raise ValueError(
+            f"The dataset {dataset_name!r}'s evaluation split has columns {list(columns)}, of another format "
+            f"than its training split ({encoder.fmt})."
+        )
+
+
+def prepare_streams(
+    dataset_name: str,
+    tokenizer,
+    block_size: int,
+    dataset_config: str | None = None,
+    text_column: str = "text",
+    validation_split_percentage: float = 5,
+    max_train_samples: int | None = None,
+    *,
+    max_eval_samples: int | None = None,
+    packing: bool | None = None,
+    add_bos: bool | None = None,
+    add_eos: bool | None = None,
+    assistant_only_loss: bool = False,
+    completion_only_loss: bool | None = None,
+    pad_token: str | None = None,
+) -> tuple[TokenStream, TokenStream]:
+    """``(train, eval)`` as :class:`~hf_noloco.streaming.TokenStream`: nothing is downloaded or tokenized
+    ahead, each replica reads its own shard when training starts.
+
+    Evaluation reads the dataset's ``validation`` (else ``test``) split; without one, it reads the rows of
+    ``train`` that a hash of their content holds out (``validation_split_percentage`` % of them; the
+    training stream skips those), so it needs ``max_eval_samples``: held-out rows are spread over the whole
+    stream. ``max_train_samples`` ends an epoch after that many training blocks; ``max_eval_samples`` caps
+    every evaluation. Options as in :func:`prepare_datasets`.
+    """
+    raw = load_text_dataset(dataset_name, dataset_config, text_column=text_column, split=None, streaming=True)
+    if "train" not in raw:
+        raise ValueError(f"The dataset {dataset_name!r} has no 'train' split; its splits are {list(raw)}.")
+    train_source = raw["train"]
+    eval_split = next((name for name in ("validation", "test") if name in raw), None)
+    columns = train_source.column_names
+    if columns is None:  # some streamed datasets learn their columns from the first row
+        columns = list(next(iter(train_source)).keys())
+    encoder, packing = make_encoder(
+        tokenizer,
+        columns,
+        text_column,
+        packing=packing,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        assistant_only_loss=assistant_only_loss,
+        completion_only_loss=completion_only_loss,
+        block_size=block_size,
+    )
+    pad_token_id = set_pad_token(tokenizer, pad_token)
+    holdout = None
+    if eval_split is None:
+        if not 0 < validation_split_percentage < 100:
+            raise ValueError(
+                f"The dataset {dataset_name!r} has no validation split, so one is held out of 'train', but "
+                f"validation_split_percentage={validation_split_percentage} is not in (0, 100)."
+            )
+        if max_eval_samples is None:
+            raise ValueError(
+                "Streaming a dataset without a validation split needs max_eval_samples: the held-out rows "
+                "are spread over the whole stream, which evaluation would otherwise read to the end."
+            )
+        holdout = validation_split_percentage
+    else:
+        _check_same_format(raw[eval_split].column_names, encoder, dataset_name)
+    common = dict(encoder=encoder, block_size=block_size, packing=packing, pad_token_id=pad_token_id)
+    train = TokenStream(
+        train_source,
+        max_blocks=max_train_samples,
+        repeat=True,
+        holdout=None if holdout is None else (holdout, False),
+        split="train",
+        **common,
+    )
+    evaluation = TokenStream(
+        train_source if holdout is not None else raw[eval_split],
+        max_blocks=max_eval_samples,
+        repeat=False,
+        holdout=None if holdout is None else (holdout, True),
+        split="train" if holdout is not None else eval_split,
+        **common,
+    )
+    return train, evaluation
+
+
+def datasets_from_args(data_args, tokenizer, seed: int = 42):
+    """``(train, eval)`` as a :class:`~hf_noloco.config.DataArguments` says: packed or padded datasets, or
+    streams with ``streaming=True``."""
+    options = dict(
+        max_eval_samples=data_args.max_eval_samples,
+        packing=data_args.packing,
+        add_bos=data_args.add_bos,
+        add_eos=data_args.add_eos,
+        assistant_only_loss=data_args.assistant_only_loss,
+        completion_only_loss=data_args.completion_only_loss,
+        pad_token=data_args.pad_token,
+    )
+    if data_args.streaming:
+        return prepare_streams(
+            data_args.dataset_name,
+            tokenizer,
+            data_args.block_size,
+            data_args.dataset_config,
+            data_args.text_column,
+            data_args.validation_split_percentage,
+            data_args.max_train_samples,
+            **options,
+        )
+    return prepare_datasets(
+        data_args.dataset_name,
+        tokenizer,
+        data_args.block_size,
+        data_args.dataset_config,
+        data_args.text_column,
+        data_args.validation_split_percentage,
+        data_args.preprocessing_num_proc,
+        data_args.max_train_samples,
+        seed=seed,
+        **options,
+    )
