@@ -7,7 +7,7 @@ Layout of ``output_dir/checkpoint-N/``::
     trainer_state.json, scheduler.pt  the Trainer's own state (written by rank 0)
     rng_state_<rank>.pth              each rank's random state (the Trainer's format)
     stage-<s>-replica-<r>/            one folder per rank:
-        model.safetensors             the stage replica's weights
+        model.safetensors             the stage replica's weights (only the adapters, for a LoRA run)
         optimizer.pt                  inner + outer optimizer state (plain tensors and numbers)
         pipeline.pt                   the routing counters and tokens seen
 
@@ -35,7 +35,7 @@ from .mesh import PipelineMesh
 MESH_FILE = "noloco_mesh.json"
 _WEIGHTS, _OPTIMIZER, _PIPELINE = "model.safetensors", "optimizer.pt", "pipeline.pt"
 # What a resume must share with the run that saved: anything else would load tensors into the wrong places.
-_MUST_MATCH = ("pipeline_stages", "num_replicas", "layer_ranges", "outer_optimizer")
+_MUST_MATCH = ("pipeline_stages", "num_replicas", "layer_ranges", "outer_optimizer", "adapter")
 
 
 def rank_folder(checkpoint: str, mesh: PipelineMesh) -> str:
@@ -97,12 +97,22 @@ def write_checkpoint(
 
 
 def save_rank_state(
-    folder: str, mesh: PipelineMesh, stage: nn.Module, optimizer_state: dict, pipeline_state: dict
+    folder: str,
+    mesh: PipelineMesh,
+    stage: nn.Module,
+    optimizer_state: dict,
+    pipeline_state: dict,
+    trainable_only: bool = False,
 ):
-    """This rank's stage replica: weights, optimizer state and pipeline counters."""
+    """This rank's stage replica: weights, optimizer state and pipeline counters (and the stream position).
+    With ``trainable_only`` only the parameters that train (LoRA adapters) are written: the frozen base comes
+    from the base model again."""
     rank_dir = rank_folder(folder, mesh)
     os.makedirs(rank_dir, exist_ok=True)
-    weights = {k: v.detach().contiguous().cpu() for k, v in stage.state_dict().items()}
+    if trainable_only:
+        weights = {k: p.detach().contiguous().cpu() for k, p in stage.named_parameters() if p.requires_grad}
+    else:
+        weights = {k: v.detach().contiguous().cpu() for k, v in stage.state_dict().items()}
     save_file(weights, os.path.join(rank_dir, _WEIGHTS))
     torch.save(optimizer_state, os.path.join(rank_dir, _OPTIMIZER))
     torch.save(pipeline_state, os.path.join(rank_dir, _PIPELINE))
@@ -119,7 +129,9 @@ def check_mesh_record(checkpoint: str, record: dict) -> None:
     with open(os.path.join(checkpoint, MESH_FILE)) as f:
         saved = json.load(f)
     for key in _MUST_MATCH:
-        if saved[key] != json.loads(json.dumps(record[key])):  # JSON has lists where the record has tuples
+        if saved.get(key) != json.loads(
+            json.dumps(record.get(key))
+        ):  # JSON has lists where the record has tuples
             raise ValueError(
                 f"Cannot resume {checkpoint}: it was saved with {key}={saved[key]}, this run has "
                 f"{record[key]}. "
@@ -127,10 +139,21 @@ def check_mesh_record(checkpoint: str, record: dict) -> None:
             )
 
 
-def load_rank_state(checkpoint: str, mesh: PipelineMesh, stage: nn.Module) -> dict:
-    """Loads this rank's weights into ``stage``; returns its pipeline counters."""
+def load_rank_state(
+    checkpoint: str, mesh: PipelineMesh, stage: nn.Module, trainable_only: bool = False
+) -> dict:
+    """Loads this rank's weights into ``stage`` (with ``trainable_only``: exactly its trainable parameters);
+    returns its pipeline counters."""
     rank_dir = rank_folder(checkpoint, mesh)
-    stage.load_state_dict(load_file(os.path.join(rank_dir, _WEIGHTS)))
+    weights = load_file(os.path.join(rank_dir, _WEIGHTS))
+    if trainable_only:
+        expected = {name for name, p in stage.named_parameters() if p.requires_grad}
+        if set(weights) != expected:
+            raise ValueError(
+                f"Cannot resume {checkpoint}: its adapter tensors do not match this run's "
+                f"({sorted(set(weights) ^ expected)[:3]} differ)."
+            )
+    stage.load_state_dict(weights, strict=not trainable_only)
     return torch.load(os.path.join(rank_dir, _PIPELINE), weights_only=True)
 
 

@@ -25,7 +25,7 @@ import typing
 import yaml
 from transformers import HfArgumentParser
 
-from .config import DataArguments, ModelArguments, NoLoCoConfig, check_config
+from .config import DataArguments, ModelArguments, NoLoCoConfig, check_config, model_config_values
 
 MODEL_SOURCES = ("model_name_or_path", "model_config")
 
@@ -194,16 +194,57 @@ def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, NoLoCoCo
     model_args = parser.build(ModelArguments, namespace)
     data_args = parser.build(DataArguments, namespace)
     check_config(namespace)  # what NoLoCoConfig checks, before it joins the process group
+    check_combination(model_args, data_args, namespace)
     if model_args.model_config is not None:
         check_model_config(model_args.model_config, namespace)
     return model_args, data_args, parser.build(NoLoCoConfig, namespace)
 
 
-def check_model_config(values: dict, settings) -> None:
-    """Builds the model on the meta device (no memory) and splits it as the trainer will: an unknown
-    ``model_type``, impossible sizes, a non-Llama architecture or stage boundaries outside the layers fail
-    here,
-    naming the setting."""
+def check_combination(model_args: ModelArguments, data_args: DataArguments, settings) -> None:
+    """Checks of options that belong to different dataclasses."""
+    if data_args.streaming:
+        if settings.max_steps <= 0:
+            raise ValueError("streaming=True reads a stream without a known length: set max_steps.")
+        if settings.dataloader_num_workers:
+            raise ValueError(
+                "streaming=True reads the stream in the training process (its position goes into "
+                "checkpoints): set dataloader_num_workers=0."
+            )
+        if model_args.tokenizer_name_or_path is None and model_args.model_name_or_path is None:
+            raise ValueError(
+                "streaming=True needs a tokenizer (tokenizer_name_or_path): training one from scratch would "
+                "read the corpus before training."
+            )
+    if settings.merge_adapter and not model_args.use_peft:
+        raise ValueError("merge_adapter=True merges LoRA adapters into the model: it needs use_peft=True.")
+
+
+def check_recipe(argv: list[str], model_config: dict | None = None):
+    """A dry run of a recipe: every option is parsed and checked as ``hf-noloco-train`` does, and the
+    model is built on the meta device (no memory, no weights), split into this run's stages and given its
+    LoRA adapters. Set ``WORLD_SIZE`` to the launch's number of processes. ``model_config`` stands in for
+    the ``config.json`` of ``model_name_or_path`` (without it, that file is read from the folder or the Hub).
+
+    Returns:
+        ``(model_args, data_args, config)``, as :func:`parse_args`.
+    """
+    model_args, data_args, config = parse_args(argv)
+    if model_args.model_name_or_path is not None:
+        if model_config is None:
+            from transformers import AutoConfig
+
+            model_config = AutoConfig.from_pretrained(model_args.model_name_or_path).to_dict()
+        from .adapters import lora_config_of
+
+        check_model_config(model_config_values(model_config), config, lora_config_of(model_args))
+    return model_args, data_args, config
+
+
+def check_model_config(values: dict, settings, peft_config=None) -> None:
+    """Builds the model on the meta device (no memory) and splits it as the trainer will (with LoRA adapters
+    when ``peft_config`` is given): an unknown ``model_type``, impossible sizes, a non-Llama architecture,
+    stage boundaries outside the layers or adapter targets missing from a stage fail here, naming the
+    setting."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -229,7 +270,17 @@ def check_model_config(values: dict, settings) -> None:
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"model_config: {str(exc).splitlines()[0]}") from None
     check_llama_layout(model)
-    split_model(model, 0, settings.pipeline_stages, settings.stage_boundaries, settings.stage_balance)
+    if peft_config is not None:
+        from .adapters import add_adapters, check_adapter_split
+
+        check_adapter_split(config, settings.pipeline_stages)
+    for stage_index in range(settings.pipeline_stages):
+        stage = split_model(
+            model, stage_index, settings.pipeline_stages, settings.stage_boundaries, settings.stage_balance
+        )
+        if peft_config is not None:
+            with torch.device("meta"):
+                add_adapters(stage, peft_config)
 
 
 def _auto_config(values: dict):
@@ -329,22 +380,16 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
     if "wandb" in config.report_to and not _wandb_configured():
         os.environ.setdefault("WANDB_MODE", "offline")  # never prompt a user who is not logged in
         os.environ.setdefault("WANDB_DIR", config.output_dir)
-    from .data import prepare_datasets
+    from .adapters import lora_config_of
+    from .data import datasets_from_args
     from .trainer import NoLoCoTrainer
 
     tokenizer = _tokenizer(model_args, data_args, config)
-    with config.main_process_first(desc="dataset"):
-        train_set, eval_set = prepare_datasets(
-            data_args.dataset_name,
-            tokenizer,
-            data_args.block_size,
-            data_args.dataset_config,
-            data_args.text_column,
-            data_args.validation_split_percentage,
-            data_args.preprocessing_num_proc,
-            data_args.max_train_samples,
-            seed=config.seed,
-        )
+    if data_args.streaming:  # nothing to prepare ahead: each replica reads its shard as it trains
+        train_set, eval_set = datasets_from_args(data_args, tokenizer, seed=config.seed)
+    else:
+        with config.main_process_first(desc="dataset"):  # rank 0 fills the datasets cache, the others read it
+            train_set, eval_set = datasets_from_args(data_args, tokenizer, seed=config.seed)
     model = model_args.model_name_or_path or _model_config(model_args, tokenizer)
     trainer = NoLoCoTrainer(
         model,
@@ -353,6 +398,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
         eval_dataset=eval_set,
         processing_class=tokenizer,
         data_args=data_args,
+        peft_config=lora_config_of(model_args),
     )
     resume = config.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
@@ -369,7 +415,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
             f"\nFinal eval perplexity {metrics['eval_perplexity']:.2f} after {trainer.state.global_step} "
             "steps."
         )
-        print(f"Model, tokenizer and model card: {os.path.abspath(config.output_dir)}")
+        what = {"model": "Model", "adapter": "LoRA adapter (PEFT)", "merged": "Model (LoRA adapters merged)"}
+        print(f"{what[trainer.export_kind]}, tokenizer and model card: {os.path.abspath(config.output_dir)}")
         print(f"Training curves: {os.path.join(os.path.abspath(config.output_dir), 'training_curves.png')}")
         if os.environ.get("WANDB_MODE") == "offline" and "wandb" in config.report_to:
             wandb_dir = os.path.join(os.path.abspath(os.environ.get("WANDB_DIR", ".")), "wandb")

@@ -116,6 +116,34 @@ def check_export_replica(replica: int | None, num_replicas: int) -> None:
         raise ValueError(f"export_replica must be in [0, {num_replicas}), got {replica}.")
 
 
+PEFT_INSTALL_HINT = "pip install 'hf-noloco[peft]'"
+
+
+def check_lora_settings(r, alpha, dropout, target_modules) -> None:
+    """LoRA's settings, and that PEFT is installed (an optional dependency)."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"lora_r must be a positive integer, got {r!r}.")
+    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0):
+        raise ValueError(f"lora_alpha must be a positive number, got {alpha!r}.")
+    if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
+        raise ValueError(f"lora_dropout must be in [0, 1), got {dropout!r}.")
+    if target_modules is not None and (
+        isinstance(target_modules, str)
+        or not target_modules
+        or not all(isinstance(t, str) and t for t in target_modules)
+    ):
+        raise ValueError(
+            f"lora_target_modules must be a non-empty list of module names (or ['all-linear']), got "
+            f"{target_modules!r}."
+        )
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            f"use_peft needs the PEFT library, an optional dependency: {PEFT_INSTALL_HINT}."
+        ) from None
+
+
 def is_local_dataset_path(name: str) -> bool:
     """Whether ``dataset_name`` means local files. Hub names are ``name`` or ``owner/name``; anything with a
     file extension we read, or that starts like a filesystem path, is local, and must then exist (never fall
@@ -363,6 +391,10 @@ class NoLoCoConfig(TrainingArguments):
         export_replica (`int` or `None`, *optional*, defaults to `None`):
             What `save_model` exports: `None` the consensus (mean of each stage's replicas), or one replica's
             weights.
+        merge_adapter (`bool`, *optional*, defaults to `False`):
+            With LoRA adapters (`use_peft`): export the base model with the adapters merged into its weights
+            (an ordinary checkpoint) instead of the PEFT adapter (`adapter_config.json` and
+            `adapter_model.safetensors`, which `PeftModel.from_pretrained` loads on top of the base model).
         average_tokens_across_devices (`bool`, *optional*, defaults to `False`):
             Must stay `False`: ranks hold different pipeline stages, and the last stage already weights each
             sample by the target tokens of its replica's batch.
@@ -389,6 +421,7 @@ class NoLoCoConfig(TrainingArguments):
     offload_outer_state: bool = False
     divergence_steps: int | None = None
     export_replica: int | None = None
+    merge_adapter: bool = False
     # Changed defaults of TrainingArguments fields.
     average_tokens_across_devices: bool = False
     dataloader_drop_last: bool = True
@@ -562,18 +595,48 @@ class ModelArguments:
         tokenizer_vocab_size (`int`, *optional*, defaults to `4096`):
             Vocabulary of the BPE tokenizer trained from scratch (at least 259: 256 bytes and 3 special
             tokens).
+
+        > LoRA (PEFT)
+
+        use_peft (`bool`, *optional*, defaults to `False`):
+            Fine-tune LoRA adapters (through PEFT, `pip install 'hf-noloco[peft]'`) instead of the whole
+            model: each stage gets the adapters of its own layers, the base weights stay frozen, and only the
+            adapters train, cross the network at an outer step, and go into checkpoints. The export is a PEFT
+            adapter (or, with `merge_adapter`, the merged model). Needs `model_name_or_path`.
+        lora_r (`int`, *optional*, defaults to `16`):
+            LoRA rank: the inner dimension of each adapter's two factors.
+        lora_alpha (`int`, *optional*, defaults to `32`):
+            LoRA scaling numerator: the adapter's update is scaled by `lora_alpha / lora_r`.
+        lora_dropout (`float`, *optional*, defaults to `0.05`):
+            Dropout on the adapters' input, in [0, 1).
+        lora_target_modules (`list[str]` or `None`, *optional*, defaults to `None`):
+            Names of the modules that get adapters (e.g. `q_proj v_proj`), or `all-linear` (every linear layer
+            of the decoder layers). Every pipeline stage must hold at least one. `None`: PEFT's default for
+            the architecture (`q_proj` and `v_proj` for Llama-family models).
     """
 
     model_name_or_path: str | None = None
     model_config: dict | str | None = None
     tokenizer_name_or_path: str | None = None
     tokenizer_vocab_size: int = 4096
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | None = None
 
     def __post_init__(self):
         if (self.model_name_or_path is None) == (self.model_config is None):
             raise ValueError(
                 "Give exactly one of model_name_or_path (fine-tune) or model_config (pretrain from scratch)."
             )
+        if self.use_peft:
+            check_lora_settings(self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_target_modules)
+            if self.model_name_or_path is None:
+                raise ValueError(
+                    "use_peft fine-tunes LoRA adapters on a pretrained model: give model_name_or_path (a "
+                    "model from scratch has nothing worth freezing)."
+                )
         if self.model_config is not None:
             self.model_config = model_config_values(self.model_config)
             if self.tokenizer_name_or_path is None and self.tokenizer_vocab_size < 259:
@@ -635,9 +698,45 @@ class DataArguments:
             Share of the documents held out for evaluation when the dataset has no validation or test split,
             in [0, 100); chosen by a seeded shuffle of documents, so no block mixes both sides.
         max_train_samples (`int` or `None`, *optional*, defaults to `None`):
-            Keep only the first this many training blocks.
+            Keep only the first this many training rows (blocks). With `streaming`, an epoch ends after this
+            many blocks over all replicas.
+        max_eval_samples (`int` or `None`, *optional*, defaults to `None`):
+            Evaluate on at most this many rows (blocks of `block_size` tokens) over all replicas: the first
+            ones of the evaluation split, the same at every evaluation. Needed with `streaming` when the
+            dataset has no validation split.
         preprocessing_num_proc (`int` or `None`, *optional*, defaults to `None`):
-            Processes used to tokenize and pack the dataset.
+            Processes used to tokenize and pack the dataset (not with `streaming`).
+        streaming (`bool`, *optional*, defaults to `False`):
+            Read the dataset as a stream (a Hub dataset or local files) instead of downloading and tokenizing
+            it first: each replica reads its own shard (whole files when their count divides by the number of
+            replicas), tokenizes and packs on the fly, and a checkpoint records where it is, so a resumed run
+            continues at the very next block. Nothing is cached and no rank waits for another. Streams are
+            read in the source's order (not shuffled), need `max_steps`, and evaluation needs
+            `max_eval_samples` when the dataset has no validation split (rows are then held out by a hash of
+            their content).
+        packing (`bool` or `None`, *optional*, defaults to `None`):
+            `True`: concatenate the documents and cut the stream into blocks of `block_size` tokens (blocks
+            span documents, and attention crosses from one into the next, as in pretraining). `False`: one
+            document per row, truncated to `block_size` and right-padded to it (padding masked out of
+            attention and loss), so attention never crosses documents. `None`: `True` for text and
+            pre-tokenized rows, `False` for conversations and prompt/completion pairs (which cannot be
+            packed).
+        add_bos (`bool` or `None`, *optional*, defaults to `None`):
+            Put the tokenizer's beginning-of-text token before each text document (and plain prompt/completion
+            pair). `None`: if the tokenizer adds one itself (Llama's does; GPT-2's and Qwen's do not). Chat
+            templates and pre-tokenized rows keep their own tokens.
+        add_eos (`bool` or `None`, *optional*, defaults to `None`):
+            Put the tokenizer's end-of-text token after each text document (and plain prompt/completion pair),
+            which tells a packed model where documents end. `None`: `True`.
+        assistant_only_loss (`bool`, *optional*, defaults to `False`):
+            For conversations (a `messages` column, rendered with the tokenizer's chat template): train only
+            on the assistant turns, end-of-turn tokens included; every other label is -100.
+        completion_only_loss (`bool` or `None`, *optional*, defaults to `None`):
+            For `prompt`/`completion` rows: train only on the completion. `None`: `True` for such rows.
+        pad_token (`str` or `None`, *optional*, defaults to `None`):
+            The token that pads rows to `block_size` (never seen by the model: masked out of attention and
+            loss). `None`: the tokenizer's own padding token, or its end-of-text token when it has none (the
+            exported tokenizer keeps it as its padding token).
     """
 
     dataset_name: str = BUILTIN_DATASET
@@ -646,12 +745,39 @@ class DataArguments:
     block_size: int = 256
     validation_split_percentage: float = 5
     max_train_samples: int | None = None
+    max_eval_samples: int | None = None
     preprocessing_num_proc: int | None = None
+    streaming: bool = False
+    packing: bool | None = None
+    add_bos: bool | None = None
+    add_eos: bool | None = None
+    assistant_only_loss: bool = False
+    completion_only_loss: bool | None = None
+    pad_token: str | None = None
 
     def __post_init__(self):
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}.")
-        for name in ("max_train_samples", "preprocessing_num_proc"):
+        if self.streaming and self.preprocessing_num_proc is not None:
+            raise ValueError(
+                "preprocessing_num_proc does nothing with streaming=True (each replica tokenizes its own "
+                "rows as it reads them): remove it."
+            )
+        if self.streaming and self.dataset_name == BUILTIN_DATASET and self.max_eval_samples is None:
+            raise ValueError(
+                "Streaming the built-in corpus (which has no validation split) needs max_eval_samples."
+            )
+        if self.packing and (self.assistant_only_loss or self.completion_only_loss):
+            raise ValueError(
+                "packing=True cannot go with assistant_only_loss or completion_only_loss: conversations and "
+                "prompt/completion pairs are padded, one per row, so that attention never crosses them."
+            )
+        if self.assistant_only_loss and self.completion_only_loss:
+            raise ValueError(
+                "assistant_only_loss (for `messages` rows) and completion_only_loss (for "
+                "`prompt`/`completion` rows) apply to different formats: set the one of your dataset."
+            )
+        for name in ("max_train_samples", "max_eval_samples", "preprocessing_num_proc"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")

@@ -33,8 +33,9 @@ def perplexity(loss_sum: float | torch.Tensor, token_count: float | torch.Tensor
 
 
 def _unique_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
-    # named_parameters() drops duplicates (tied weights), so a tied tensor is counted once.
-    return [p for _, p in module.named_parameters()]
+    # named_parameters() drops duplicates (tied weights), so a tied tensor is counted once. Frozen weights
+    # (the base model under LoRA adapters) are the same in every replica: only trained ones can diverge.
+    return [p for _, p in module.named_parameters() if p.requires_grad]
 
 
 @torch.no_grad()

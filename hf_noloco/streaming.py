@@ -20,13 +20,25 @@ C4 and FineWeb's shards are shuffled already; shuffle your own files once before
 
 from __future__ import annotations
 
+import atexit
 import copy
+import weakref
 import zlib
 
 import torch
 from datasets.distributed import split_dataset_by_node
 
 from .encoding import DocumentEncoder, pad_row, row_fingerprint
+
+# The source iterators still open. `datasets`' file readers must be closed before the interpreter tears down
+# their modules (a training stream is never read to its end), or each prints an ignored exception at exit.
+_OPEN_SOURCES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_sources() -> None:
+    for iterator in list(_OPEN_SOURCES):
+        iterator.close()
 
 
 def is_held_out(fingerprint: bytes, percentage: float) -> bool:
@@ -150,7 +162,10 @@ class TokenStream(torch.utils.data.IterableDataset):
         if position["source_state"] is not None:
             source.load_state_dict(position["source_state"])
         before = position["source_state"]
-        for row in source:
+        rows = iter(source)
+        if hasattr(rows, "close"):
+            _OPEN_SOURCES.add(rows)
+        for row in rows:
             state, before = before, source.state_dict()
             if self.holdout is not None:
                 percentage, side = self.holdout

@@ -33,11 +33,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback, default_data_collator
 
-from . import checkpoint
+from . import adapters, checkpoint
 from .card import PLOT_FILE, plot_training_curves, render_model_card
 from .comm import PeerError, PeerWatch, wait_collective
 from .config import DataArguments, NoLoCoConfig
-from .export import save_consensus_checkpoint
+from .export import gather_full_state_dict, save_consensus_checkpoint
 from .hub import check_hub_settings, push_folder_to_hub
 from .mesh import PipelineMesh
 from .metrics import perplexity, replica_divergence
@@ -45,6 +45,7 @@ from .outer import OuterOptimizer, broadcast_replica_weights
 from .partition import build_stage, load_config, resolve_checkpoint, split_model
 from .pipeline import PipelineEngine
 from .routing import Router
+from .streaming import TokenStream
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,14 @@ class NoLoCoTrainer(Trainer):
         args: a :class:`NoLoCoConfig`.
         data_args: the data's :class:`~hf_noloco.config.DataArguments`, shown in the model card and the wandb
             run's config.
+        peft_config: a ``peft.LoraConfig`` (as TRL's ``SFTTrainer`` takes it): each stage gets LoRA adapters,
+            only they train and cross the network, and the export is a PEFT adapter (or the merged model with
+            ``merge_adapter``). ``model`` must then be a Hub id or folder.
+            :func:`hf_noloco.adapters.lora_config` builds one from TRL's option names.
         Other arguments are the Trainer's. ``data_collator`` defaults to ``default_data_collator`` (packed
-        blocks).
+        blocks, padded rows). ``train_dataset`` / ``eval_dataset`` may be
+        :class:`~hf_noloco.streaming.TokenStream` s (``max_steps`` needed): each replica then reads its own
+        shard, and a checkpoint records its position.
     """
 
     def __init__(
@@ -84,10 +91,13 @@ class NoLoCoTrainer(Trainer):
         callbacks=None,
         optimizers=(None, None),
         data_args: DataArguments | None = None,
+        peft_config=None,
         **kwargs,
     ):
         if not isinstance(args, NoLoCoConfig):
             raise TypeError(f"NoLoCoTrainer needs a NoLoCoConfig, got {type(args).__name__}.")
+        _check_adapter_inputs(model, args, peft_config)
+        _check_streams(train_dataset, args)
         _ensure_process_group(args)
         self.mesh = PipelineMesh.build(args.pipeline_stages, device=args.device)
         self.base_model = (
@@ -97,8 +107,15 @@ class NoLoCoTrainer(Trainer):
         )
         self.base_model_folder: str | None = None  # a fine-tuned checkpoint's files (its card, its license)
         self.data_args = data_args
-        stage = self._build_stage(model, args)
-        broadcast_replica_weights(stage, self.mesh)
+        self.peft_config = None  # the LoraConfig with its target modules resolved, once the adapters exist
+        stage = self._build_stage(model, args, peft_config)
+        # With adapters, every replica read the same frozen base weights: only the adapters need to agree.
+        broadcast_replica_weights(
+            stage
+            if self.peft_config is None
+            else nn.ParameterList(adapters.trainable_state_dict(stage).values()),
+            self.mesh,
+        )
         self._check_dataset_size(train_dataset, args)
         super().__init__(
             model=stage,
@@ -123,6 +140,12 @@ class NoLoCoTrainer(Trainer):
             schedule=args.pipeline_schedule,
         )
         self.outer: OuterOptimizer | None = None
+        self._train_stream: TokenStream | None = None  # this replica's shard of a streamed training set
+        self._stream_position: dict | None = None  # read from a checkpoint before the shard exists
+        if isinstance(train_dataset, TokenStream):
+            # The stream's recorded position replaces the Trainer's skipping of the batches seen before a
+            # resume (which would read them again).
+            self.args.ignore_data_skip = True
         self.tokens_seen = 0
         self._last_divergence_step = 0
         self._last_log = (0, time.monotonic())
@@ -134,7 +157,13 @@ class NoLoCoTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------- set-up
 
-    def _build_stage(self, model, args: NoLoCoConfig) -> nn.Module:
+    def _build_stage(self, model, args: NoLoCoConfig, peft_config=None) -> nn.Module:
+        stage = self._build_base_stage(model, args, peft_config)
+        if peft_config is not None:
+            self.peft_config = adapters.add_adapters(stage, peft_config, seed=args.seed)
+        return stage
+
+    def _build_base_stage(self, model, args: NoLoCoConfig, peft_config=None) -> nn.Module:
         mesh = self.mesh
         if isinstance(model, PreTrainedModel):
             stage = split_model(model, mesh.stage, mesh.num_stages, args.stage_boundaries, args.stage_balance)
@@ -142,6 +171,8 @@ class NoLoCoTrainer(Trainer):
         if isinstance(model, str):
             folder = self.base_model_folder = resolve_checkpoint(model)
             config = load_config(folder)
+            if peft_config is not None:
+                adapters.check_adapter_split(config, mesh.num_stages)
         elif isinstance(model, PretrainedConfig):
             folder, config = None, model  # replica 0's initialisation is broadcast to the others
         else:
@@ -186,18 +217,30 @@ class NoLoCoTrainer(Trainer):
         if self.optimizer is None:
             super().create_optimizer(model)
         if not isinstance(self.optimizer, OuterOptimizer):
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
             self.outer = OuterOptimizer(
                 self.optimizer,
-                list(self.model.parameters()),
+                trainable,
                 self.mesh,
                 self.args.outer_settings,
                 p2p_timeout=self.args.p2p_timeout,
             )
             self.optimizer = self.outer
+            if self.outer.settings.has_outer_step:
+                element = torch.finfo(getattr(torch, self.outer.settings.dtype)).bits // 8
+                logger.info(
+                    "%s: %d trainable parameters%s; an outer step sends %d bytes to each partner.",
+                    self.mesh.describe(),
+                    self.outer.numel,
+                    f" ({adapters.adapter_summary(self.peft_config)})" if self.peft_config else "",
+                    self.outer.numel * element,
+                )
         return self.optimizer
 
     def _replica_loader(self, dataset, batch_size, shuffle, description):
         """A dataloader over this replica's shard: both stages of a replica get the same batches."""
+        if isinstance(dataset, TokenStream):
+            return self._stream_loader(dataset, batch_size, training=shuffle)
         dataset = self._remove_unused_columns(dataset, description=description)
         loader = DataLoader(
             dataset,
@@ -218,6 +261,25 @@ class NoLoCoTrainer(Trainer):
             data_seed=self.args.data_seed or self.args.seed,
             even_batches=shuffle,
         )
+
+    def _stream_loader(self, stream: TokenStream, batch_size: int, training: bool) -> DataLoader:
+        """This replica's shard of a stream, read in this process (its position must be this process's to
+        record). Training reads the stream on the first and last stage, the only ones that use the batch's
+        tensors; the stages between get rows of the same shape. Evaluation reads it on every stage (it is
+        short
+        and ends), starting over each time. Tensors stay on the CPU: the pipeline moves what it uses."""
+        mesh = self.mesh
+        if training:
+            if self._train_stream is None:
+                reads = mesh.is_first_stage or mesh.is_last_stage
+                self._train_stream = stream.shard(mesh.replica, mesh.num_replicas, read=reads)
+            if self._stream_position is not None:
+                self._train_stream.load_state_dict(self._stream_position)
+                self._stream_position = None
+            shard = self._train_stream
+        else:
+            shard = stream.shard(mesh.replica, mesh.num_replicas)
+        return DataLoader(shard, batch_size=batch_size, collate_fn=self.data_collator, num_workers=0)
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
@@ -374,6 +436,10 @@ class NoLoCoTrainer(Trainer):
             logs["tokens_seen"] = self.tokens_seen
             logs["tokens_per_second"] = (self.tokens_seen - last_tokens) / max(now - last_time, 1e-9)
             self._last_log = (self.tokens_seen, now)
+        if self._train_stream is not None and self.state.max_steps:
+            # A stream has no length: the Trainer's epoch is the fraction of max_steps, which it would restart
+            # from 0 after a resume (it skips no batches then).
+            self.state.epoch = self.state.global_step / self.state.max_steps
         super().log(logs, start_time)
 
     # -------------------------------------------------------------------------------------- evaluation
@@ -433,7 +499,16 @@ class NoLoCoTrainer(Trainer):
 
     def _write_rank_state(self, folder: str) -> None:
         pipeline_state = {"engine": self.engine.state_dict(), "tokens_seen": self.tokens_seen}
-        checkpoint.save_rank_state(folder, self.mesh, self.model, self.optimizer.state_dict(), pipeline_state)
+        if self._train_stream is not None:
+            pipeline_state["stream"] = self._train_stream.state_dict()
+        checkpoint.save_rank_state(
+            folder,
+            self.mesh,
+            self.model,
+            self.optimizer.state_dict(),
+            pipeline_state,
+            trainable_only=self.peft_config is not None,
+        )
         self._save_rng_state(folder)
 
     def _write_run_state(self, folder: str) -> None:
@@ -452,12 +527,20 @@ class NoLoCoTrainer(Trainer):
             "layer_ranges": [list(r) for r in self.model.all_layer_ranges],
             "outer_optimizer": self.args.outer_optimizer,
             "routing": self.args.routing,
+            "adapter": adapters.adapter_record(self.peft_config),
         }
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         checkpoint.check_mesh_record(resume_from_checkpoint, self._mesh_record())
-        state = checkpoint.load_rank_state(resume_from_checkpoint, self.mesh, self.model)
+        state = checkpoint.load_rank_state(
+            resume_from_checkpoint, self.mesh, self.model, trainable_only=self.peft_config is not None
+        )
         self.engine.load_state_dict(state["engine"])
+        if state.get("stream") is not None:
+            if self._train_stream is not None:
+                self._train_stream.load_state_dict(state["stream"])
+            else:
+                self._stream_position = state["stream"]
         self.tokens_seen = state["tokens_seen"]
         self._last_log = (self.tokens_seen, time.monotonic())
 
@@ -473,6 +556,9 @@ class NoLoCoTrainer(Trainer):
         """Exports the consensus model (or ``export_replica``) as one ordinary HF checkpoint with a model card
         and training curves. Collective: every rank calls it."""
         output_dir = output_dir or self.args.output_dir
+        if self.peft_config is not None:
+            self._save_adapter_export(output_dir)
+            return
         with self._patient():  # rank 0 writes the whole model while the others wait
             path = save_consensus_checkpoint(
                 self.model,
@@ -483,6 +569,22 @@ class NoLoCoTrainer(Trainer):
                 replica=self.args.export_replica,
             )
             if path is not None:
+                self._write_model_card(output_dir)
+            dist.barrier()
+
+    def _save_adapter_export(self, output_dir: str) -> None:
+        """The consensus adapters (or ``export_replica``'s) as a PEFT adapter folder, or merged into the base
+        model (``merge_adapter``), with the tokenizer and the model card. Collective: every rank calls it."""
+        with self._patient():
+            consensus = adapters.consensus_adapters(self.model, self.mesh, replica=self.args.export_replica)
+            full = gather_full_state_dict(consensus if self.mesh.replica == 0 else None, self.mesh)
+            if self.mesh.rank == 0:
+                if self.args.merge_adapter:
+                    adapters.save_merged(output_dir, full, self.peft_config, self.base_model_folder)
+                else:
+                    adapters.save_adapter(output_dir, full, self.peft_config, self.base_model)
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
                 self._write_model_card(output_dir)
             dist.barrier()
 
@@ -515,8 +617,17 @@ class NoLoCoTrainer(Trainer):
             "mixed_precision": "bf16" if args.bf16 else "no",
             "seed": args.seed,
             "export_replica": args.export_replica,
+            "adapter": adapters.adapter_summary(self.peft_config) if self.peft_config else None,
+            "export": self.export_kind,
         }
         return {k: getattr(v, "value", v) for k, v in settings.items()}
+
+    @property
+    def export_kind(self) -> str:
+        """What ``save_model`` writes: ``"model"``, ``"adapter"`` (PEFT) or ``"merged"`` (adapters merged)."""
+        if self.peft_config is None:
+            return "model"
+        return "merged" if self.args.merge_adapter else "adapter"
 
     def _evaluation_split(self) -> str | None:
         split = getattr(self.eval_dataset, "split", None)
@@ -616,6 +727,32 @@ class NoLoCoTrainer(Trainer):
         super().end()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_adapter_inputs(model, args: NoLoCoConfig, peft_config) -> None:
+    if peft_config is None:
+        if args.merge_adapter:
+            raise ValueError("merge_adapter=True merges LoRA adapters: it needs use_peft (a peft_config).")
+        return
+    if type(peft_config).__name__ != "LoraConfig":
+        raise TypeError(f"peft_config must be a peft.LoraConfig, got {type(peft_config).__name__}.")
+    if not isinstance(model, str):
+        raise ValueError(
+            "LoRA adapters fine-tune a pretrained checkpoint: pass its Hub id or folder as the model (the "
+            "export refers to it, and merge_adapter reads its weights)."
+        )
+
+
+def _check_streams(train_dataset, args: NoLoCoConfig) -> None:
+    if not isinstance(train_dataset, TokenStream):
+        return
+    if args.max_steps <= 0:
+        raise ValueError("A streamed training set has no length: set max_steps.")
+    if args.dataloader_num_workers:
+        raise ValueError(
+            "A streamed training set is read in the training process (its position goes into checkpoints): "
+            "set dataloader_num_workers=0."
+        )
 
 
 def _ensure_process_group(args: NoLoCoConfig) -> None:
