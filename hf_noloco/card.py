@@ -127,6 +127,15 @@ SETTING_LABELS = {
     "mixed_precision": "Mixed precision",
     "seed": "Seed",
     "export_replica": "Exported weights",
+    "adapter": "Adapters (only they trained)",
+    "export": "What this folder holds",
+}
+
+# What `NoLoCoTrainer.export_kind` means, in the card's words.
+EXPORT_KINDS = {
+    "model": "the whole model",
+    "adapter": "a LoRA adapter (PEFT), to load on top of the base model",
+    "merged": "the base model with the LoRA adapters merged into its weights",
 }
 
 
@@ -170,7 +179,7 @@ def library_versions() -> dict[str, str]:
     import importlib.metadata
 
     versions = {}
-    for name in ("hf-noloco", "transformers", "torch", "accelerate", "datasets", "tokenizers"):
+    for name in ("hf-noloco", "transformers", "peft", "torch", "accelerate", "datasets", "tokenizers"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -204,7 +213,8 @@ def render_model_card(
             Only a Hub id goes into the card's metadata (``base_model``).
         dataset: the training data (a Hub dataset id goes into the card's metadata too).
         settings: the run's settings (keys of :data:`SETTING_LABELS`), shown as a table; ``export_replica``
-            (``None``: replica mean) says which weights were exported.
+            (``None``: replica mean) says which weights were exported, ``export`` what was exported
+            (:data:`EXPORT_KINDS`: the model, a PEFT adapter, or the adapters merged into the model).
         final_perplexity: the final evaluation perplexity, ``None`` when not measured.
         replica_divergence: the replica divergence at the end, ``None`` when not measured.
         tokens_seen: training tokens processed (over all replicas).
@@ -226,9 +236,12 @@ def render_model_card(
     dataset_on_hub = is_hub_id(dataset)
     base_on_hub = is_hub_id(base_model)
     method = str(settings.get("outer_optimizer", "noloco"))
+    export = str(settings.get("export") or "model")
     tags = ["hf-noloco", "noloco", "pipeline-parallel", "low-communication", "text-generation"]
     if method not in tags:
         tags.insert(2, method)
+    if export != "model":
+        tags += ["lora", "peft"]
     eval_results = None
     if final_perplexity is not None and math.isfinite(final_perplexity):
         eval_results = [
@@ -245,7 +258,7 @@ def render_model_card(
         ]
     inherited = base_model_metadata(base_model_folder)
     card_data = ModelCardData(
-        library_name="transformers",
+        library_name="peft" if export == "adapter" else "transformers",
         pipeline_tag="text-generation",
         tags=tags,
         base_model=base_model if base_on_hub else None,
@@ -261,6 +274,7 @@ def render_model_card(
     export_replica = settings.get("export_replica")
     shown = {k: v for k, v in settings.items() if v is not None}
     shown["export_replica"] = "replica mean" if export_replica is None else f"replica {export_replica}"
+    shown["export"] = EXPORT_KINDS.get(export, export)
     rows = [(SETTING_LABELS[k], _format_value(shown[k])) for k in SETTING_LABELS if k in shown]
     rows += [(k, _format_value(v)) for k, v in shown.items() if k not in SETTING_LABELS]
     card = ModelCard.from_template(
@@ -275,6 +289,8 @@ def render_model_card(
         dataset_on_hub=dataset_on_hub,
         dataset_config=dataset_config,
         method=method,
+        export=export,
+        adapter=settings.get("adapter"),
         export_replica=export_replica,
         settings_rows=rows,
         num_stages=settings.get("pipeline_stages"),

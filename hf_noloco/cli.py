@@ -190,6 +190,11 @@ def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, NoLoCoCo
         ValueError (a :class:`ConfigError` for the command line itself) naming the bad option.
     """
     parser = NoLoCoArgumentParser()
+    model_args, data_args, namespace = _parse_and_check(parser, argv)
+    return model_args, data_args, parser.build(NoLoCoConfig, namespace)
+
+
+def _parse_and_check(parser: NoLoCoArgumentParser, argv: list[str]):
     namespace = parser.parse(argv)
     model_args = parser.build(ModelArguments, namespace)
     data_args = parser.build(DataArguments, namespace)
@@ -197,7 +202,7 @@ def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, NoLoCoCo
     check_combination(model_args, data_args, namespace)
     if model_args.model_config is not None:
         check_model_config(model_args.model_config, namespace)
-    return model_args, data_args, parser.build(NoLoCoConfig, namespace)
+    return model_args, data_args, namespace
 
 
 def check_combination(model_args: ModelArguments, data_args: DataArguments, settings) -> None:
@@ -226,9 +231,11 @@ def check_recipe(argv: list[str], model_config: dict | None = None):
     the ``config.json`` of ``model_name_or_path`` (without it, that file is read from the folder or the Hub).
 
     Returns:
-        ``(model_args, data_args, config)``, as :func:`parse_args`.
+        ``(model_args, data_args, settings)``: the settings are the parsed options, checked as
+        :class:`~hf_noloco.config.NoLoCoConfig` checks them but not built into one (which would join the
+        launch's process group).
     """
-    model_args, data_args, config = parse_args(argv)
+    model_args, data_args, config = _parse_and_check(NoLoCoArgumentParser(), argv)
     if model_args.model_name_or_path is not None:
         if model_config is None:
             from transformers import AutoConfig
