@@ -696,7 +696,8 @@ class DataArguments:
             into blocks of this many tokens.
         validation_split_percentage (`float`, *optional*, defaults to `5`):
             Share of the documents held out for evaluation when the dataset has no validation or test split,
-            in [0, 100); chosen by a seeded shuffle of documents, so no block mixes both sides.
+            in [0, 100); chosen by a seeded shuffle of documents (with `streaming`, by a hash of each row's
+            content), so no block mixes both sides.
         max_train_samples (`int` or `None`, *optional*, defaults to `None`):
             Keep only the first this many training rows (blocks). With `streaming`, an epoch ends after this
             many blocks over all replicas.

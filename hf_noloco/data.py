@@ -1,4 +1,6 @@
-"""Datasets: loading (Hub, local files, the built-in corpus), a BPE tokenizer for from-scratch runs, packing.
+"""Datasets: loading (Hub, local files, the built-in corpus), a BPE tokenizer for from-scratch runs, packing and
+padding. How one row becomes tokens and labels is :mod:`hf_noloco.encoding`'s job; streamed data is
+:mod:`hf_noloco.streaming`'s (:func:`prepare_streams` builds it).
 
 Every function here is deterministic: the same inputs give the same rows in the same order on every rank
 and every machine, so each process of a multi-process job can call them (the caller may wrap them in

@@ -289,3 +289,46 @@ def test_middle_stages_train_without_reading_the_stream(tmp_path):
     assert [reads for _, _, reads in results] == [True, False, True]
     for loss, reference, _ in results:
         assert loss == pytest.approx(reference, rel=1e-5)
+
+
+def test_streamed_pretraining_from_the_command_line(tmp_path):
+    """As a user runs it: the tiny recipe streamed from local parquet shards, 2 replicas, a resume."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    write_shards(tmp_path / "pq", 4, 150)
+    data.train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_DATASETS_CACHE=str(tmp_path / "c"))
+
+    def launch(max_steps: int, *extra: str) -> subprocess.CompletedProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *("--config_file", os.path.join(root, "recipes", "accelerate_configs", "cpu.yaml")),
+            *("--num_processes", "2", os.path.join(root, "recipes", "train.py")),
+            os.path.join(root, "recipes", "llama-tiny", "noloco.yaml"),
+            *("--dataset_name", str(tmp_path / "pq"), "--streaming", "true", "--max_eval_samples", "8"),
+            *("--tokenizer_name_or_path", str(tmp_path / "tokenizer"), "--block_size", "32"),
+            *("--pipeline_stages", "1", "--inner_steps", "2", "--max_steps", str(max_steps)),
+            *("--save_steps", "2", "--eval_steps", "2", "--logging_steps", "1", "--report_to", "none"),
+            *("--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true", *extra),
+        ]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+    first = launch(2)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    resumed = launch(4, "--resume_from_checkpoint", "true")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "Final eval perplexity" in resumed.stdout and "after 4 steps" in resumed.stdout
+    position = torch.load(
+        tmp_path / "out" / "checkpoint-4" / "stage-0-replica-1" / "pipeline.pt", weights_only=True
+    )["stream"]
+    assert position["blocks"] == 4 * 8  # 4 steps of 8 rows, read by replica 1 across the resume
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.vocab_size == 320
+    assert not os.path.exists(tmp_path / "c") or not any(
+        f.endswith(".arrow") for _, _, files in os.walk(tmp_path / "c") for f in files
+    )
