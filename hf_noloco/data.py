@@ -1,5 +1,5 @@
-"""Datasets: loading (Hub, local files, the built-in corpus), a BPE tokenizer for from-scratch runs, packing and
-padding. How one row becomes tokens and labels is :mod:`hf_noloco.encoding`'s job; streamed data is
+"""Datasets: loading (Hub, local files, the built-in corpus), a BPE tokenizer for from-scratch runs, packing
+and padding. How one row becomes tokens and labels is :mod:`hf_noloco.encoding`'s job; streamed data is
 :mod:`hf_noloco.streaming`'s (:func:`prepare_streams` builds it).
 
 Every function here is deterministic: the same inputs give the same rows in the same order on every rank
