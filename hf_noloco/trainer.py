@@ -229,11 +229,12 @@ class NoLoCoTrainer(Trainer):
             if self.outer.settings.has_outer_step:
                 element = torch.finfo(getattr(torch, self.outer.settings.dtype)).bits // 8
                 logger.info(
-                    "%s: %d trainable parameters%s; an outer step sends %d bytes to each partner.",
+                    "%s: an outer step exchanges the %d trainable parameters%s, %d bytes in %s.",
                     self.mesh.describe(),
                     self.outer.numel,
                     f" ({adapters.adapter_summary(self.peft_config)})" if self.peft_config else "",
                     self.outer.numel * element,
+                    self.outer.settings.dtype,
                 )
         return self.optimizer
 
