@@ -62,22 +62,6 @@ def lora_config_of(model_args):
     )
 
 
-def ties_embeddings(config) -> bool:
-    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
-
-
-def check_adapter_split(config, num_stages: int) -> None:
-    """Refuses what the LoRA path cannot do yet: a model that ties its embeddings to ``lm_head``, split over
-    several stages (the two copies would live on different stages; tying them across stages is issue 10)."""
-    if num_stages > 1 and ties_embeddings(config):
-        raise ValueError(
-            "LoRA on a model that ties its input embeddings to lm_head (tie_word_embeddings=True, as Qwen2.5 "
-            f"0.5B-3B, Llama-3.2 and SmolLM do) is not supported with pipeline_stages={num_stages} yet: the "
-            "embeddings and lm_head would sit on different stages. Use pipeline_stages=1 (data-parallel "
-            "replicas only) for such a model."
-        )
-
-
 def resolve_target_modules(stage: nn.Module, config, target_modules) -> list[str]:
     """The module names that get adapters: ``target_modules`` as given, every linear layer of the decoder
     layers for ``"all-linear"``, PEFT's default for the architecture for ``None``."""

@@ -25,7 +25,14 @@ import typing
 import yaml
 from transformers import HfArgumentParser
 
-from .config import DataArguments, ModelArguments, NoLoCoConfig, check_config, model_config_values
+from .config import (
+    DataArguments,
+    ModelArguments,
+    NoLoCoConfig,
+    check_config,
+    check_model_init_kwargs,
+    model_config_values,
+)
 
 MODEL_SOURCES = ("model_name_or_path", "model_config")
 
@@ -198,6 +205,7 @@ def _parse_and_check(parser: NoLoCoArgumentParser, argv: list[str]):
     namespace = parser.parse(argv)
     model_args = parser.build(ModelArguments, namespace)
     data_args = parser.build(DataArguments, namespace)
+    namespace.model_init_kwargs = merged_model_init_kwargs(model_args, namespace.model_init_kwargs)
     check_config(namespace)  # what NoLoCoConfig checks, before it joins the process group
     check_combination(model_args, data_args, namespace)
     if model_args.model_config is not None:
@@ -224,6 +232,20 @@ def check_combination(model_args: ModelArguments, data_args: DataArguments, sett
         raise ValueError("merge_adapter=True merges LoRA adapters into the model: it needs use_peft=True.")
 
 
+def merged_model_init_kwargs(model_args: ModelArguments, given) -> dict | None:
+    """``model_init_kwargs`` with the model options of :class:`ModelArguments` added (as TRL scripts do);
+    a value given both ways must agree."""
+    merged = check_model_init_kwargs(given)
+    for key, value in model_args.model_init_kwargs().items():
+        if key in merged and merged[key] != value:
+            raise ConfigError(
+                f"model_init_kwargs sets {key}={merged[key]!r} but the model options set {value!r}: "
+                "give it once."
+            )
+        merged[key] = value
+    return merged or None
+
+
 def check_recipe(argv: list[str], model_config: dict | None = None):
     """A dry run of a recipe: every option is parsed and checked as ``hf-noloco-train`` does, and the
     model is built on the meta device (no memory, no weights), split into this run's stages and given its
@@ -240,7 +262,11 @@ def check_recipe(argv: list[str], model_config: dict | None = None):
         if model_config is None:
             from transformers import AutoConfig
 
-            model_config = AutoConfig.from_pretrained(model_args.model_name_or_path).to_dict()
+            model_config = AutoConfig.from_pretrained(
+                model_args.model_name_or_path,
+                revision=model_args.model_revision,
+                trust_remote_code=model_args.trust_remote_code,
+            ).to_dict()
         from .adapters import lora_config_of
 
         check_model_config(model_config_values(model_config), config, lora_config_of(model_args))
@@ -271,16 +297,16 @@ def check_model_config(values: dict, settings, peft_config=None) -> None:
         raise ValueError(
             f"model_config: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}."
         )
+    trust = (getattr(settings, "model_init_kwargs", None) or {}).get("trust_remote_code", False)
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"model_config: {str(exc).splitlines()[0]}") from None
     check_llama_layout(model)
     if peft_config is not None:
-        from .adapters import add_adapters, check_adapter_split
+        from .adapters import add_adapters
 
-        check_adapter_split(config, settings.pipeline_stages)
     for stage_index in range(settings.pipeline_stages):
         stage = split_model(
             model, stage_index, settings.pipeline_stages, settings.stage_boundaries, settings.stage_balance
@@ -323,8 +349,12 @@ def _tokenizer(model_args: ModelArguments, data_args: DataArguments, config: NoL
 
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if name is not None:
+        same_repo = model_args.tokenizer_name_or_path in (None, model_args.model_name_or_path)
+        revision = model_args.model_revision if same_repo else None
         try:
-            return AutoTokenizer.from_pretrained(name)
+            return AutoTokenizer.from_pretrained(
+                name, revision=revision, trust_remote_code=model_args.trust_remote_code
+            )
         except (OSError, ValueError) as exc:
             raise ValueError(
                 f"No tokenizer could be loaded from {name!r}: give tokenizer_name_or_path, or pretrain from "

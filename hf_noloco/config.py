@@ -20,7 +20,7 @@ import math
 import os
 import re
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
@@ -43,6 +43,16 @@ STAGE_BALANCES: tuple[str, ...] = get_args(StageBalance)
 OUTER_METHODS: tuple[str, ...] = get_args(OuterMethod)
 OUTER_DTYPES: tuple[str, ...] = get_args(OuterDtype)
 NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonfiniteAction)
+
+# The weights' dtype (TRL's `dtype`): no float16 without loss scaling; "auto" is the checkpoint's own.
+WeightDtype = Literal["float32", "bfloat16", "auto"]
+ExportDtype = Literal["float32", "bfloat16"]
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
+WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
+EXPORT_DTYPES: tuple[str, ...] = get_args(ExportDtype)
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
+# What model_init_kwargs may hold: the keys TRL scripts put there from ModelConfig.
+MODEL_INIT_KEYS = ("dtype", "attn_implementation", "revision", "trust_remote_code")
 
 # Methods with an outer step every `inner_steps` (ddp and local have no outer hyperparameters).
 OUTER_STEP_METHODS = ("noloco", "diloco")
@@ -142,6 +152,54 @@ def check_lora_settings(r, alpha, dropout, target_modules) -> None:
         raise ValueError(
             f"use_peft needs the PEFT library, an optional dependency: {PEFT_INSTALL_HINT}."
         ) from None
+
+
+def check_model_init_kwargs(kwargs) -> dict:
+    """``model_init_kwargs`` as a checked dict (a JSON string is parsed): only :data:`MODEL_INIT_KEYS`, each
+    with an allowed value. ``flash_attention_2`` is refused where the ``flash_attn`` package is not
+    installed."""
+    if kwargs is None:
+        return {}
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError:
+            kwargs = None
+    if not isinstance(kwargs, dict):
+        raise ValueError(
+            f'model_init_kwargs must be a mapping such as {{"dtype": "bfloat16"}}, got {kwargs!r}.'
+        )
+    unknown = sorted(set(kwargs) - set(MODEL_INIT_KEYS))
+    if unknown:
+        raise ValueError(
+            f"model_init_kwargs: unsupported key {unknown[0]!r}; the keys are {', '.join(MODEL_INIT_KEYS)}."
+        )
+    dtype = kwargs.get("dtype")
+    if dtype is not None:
+        dtype = str(dtype).removeprefix("torch.")
+        if dtype in ("float16", "half"):
+            raise ValueError(
+                "dtype float16 is not supported (the pipeline has no loss scaling): use bfloat16 instead."
+            )
+        check_choice("dtype", dtype, WEIGHT_DTYPES)
+    attn = kwargs.get("attn_implementation")
+    if attn is not None:
+        check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
+        if attn == "flash_attention_2":
+            from transformers.utils import is_flash_attn_2_available
+
+            if not is_flash_attn_2_available():
+                raise ValueError(
+                    "attn_implementation flash_attention_2 needs the flash_attn package and a GPU it "
+                    "supports (pip install flash-attn); use sdpa (the default) otherwise."
+                )
+    revision = kwargs.get("revision")
+    if revision is not None and (not isinstance(revision, str) or not revision):
+        raise ValueError(f"model_revision must be a branch, tag or commit name, got {revision!r}.")
+    trust = kwargs.get("trust_remote_code", False)
+    if not isinstance(trust, bool):
+        raise ValueError(f"trust_remote_code must be true or false, got {trust!r}.")
+    return {**kwargs, **({"dtype": dtype} if dtype is not None else {})}
 
 
 def is_local_dataset_path(name: str) -> bool:
@@ -383,6 +441,36 @@ class NoLoCoConfig(TrainingArguments):
         offload_outer_state (`bool`, *optional*, defaults to `False`):
             Keep slow weights and momentum on the CPU to save accelerator memory.
 
+        > Memory and precision
+
+        model_init_kwargs (`dict`, `str` or `None`, *optional*, defaults to `None`):
+            How the trainer builds the model when it is given a Hub id, a folder or a config (as TRL's
+            `SFTConfig.model_init_kwargs`; `hf-noloco-train` fills it from `dtype`, `attn_implementation`,
+            `model_revision` and `trust_remote_code`). Keys: `dtype` (`"float32"`, the default; `"bfloat16"`:
+            weights, gradients and optimizer state in bf16, half the memory of float32, while the outer
+            state, slow weights and momentum, stays float32 so that NoLoCo's small averaged updates are not
+            rounded away; `"auto"`: the checkpoint's own dtype, float32 for a float16 one),
+            `attn_implementation` (`"sdpa"`, the default, `"eager"`, or `"flash_attention_2"` where the
+            flash_attn package is installed), `revision` (a Hub branch, tag or commit) and
+            `trust_remote_code` (run the checkpoint's own modelling code; it must still be a Llama-family
+            model).
+        activation_checkpointing (`bool`, *optional*, defaults to `False`):
+            Recompute each decoder layer of a stage in the backward pass (non-reentrant checkpointing) instead
+            of keeping its activations: a layer keeps only its input, at the cost of one more forward. Losses
+            and gradients are those of the run without it; works with both schedules. `gradient_checkpointing`
+            is its older name. `activation_checkpointing_kwargs` may hold `every_n_layers` (checkpoint only
+            the layers whose index is a multiple of it), `offload` (keep the saved inputs in host memory) and
+            options of `torch.utils.checkpoint.checkpoint`, except `use_reentrant=True`.
+        torch_compile (`bool`, *optional*, defaults to `False`):
+            Compile each decoder layer of the stage with `torch.compile` (`torch_compile_backend`, default
+            inductor, and `torch_compile_mode`). Measured on 1 CPU thread (benchmarks/torch_compile.py): 12%
+            shorter steps, after 50-100 s of compiling per process.
+        loss_chunk_tokens (`int` or `None`, *optional*, defaults to `1024`):
+            The last stage scores a microbatch's positions this many at a time and recomputes each chunk's
+            logits in the backward pass, so it never holds the full float32 logits (rows x tokens x vocabulary
+            x 4 bytes: 8 GiB for 4 x 4096 tokens of Llama-3's 128k vocabulary), for one more `lm_head`
+            forward. Microbatches with fewer positions are scored at once. `None`: never chunk.
+
         > Metrics and export
 
         divergence_steps (`int` or `None`, *optional*, defaults to `None`):
@@ -395,6 +483,13 @@ class NoLoCoConfig(TrainingArguments):
             With LoRA adapters (`use_peft`): export the base model with the adapters merged into its weights
             (an ordinary checkpoint) instead of the PEFT adapter (`adapter_config.json` and
             `adapter_model.safetensors`, which `PeftModel.from_pretrained` loads on top of the base model).
+        export_dtype (`str` or `None`, *optional*, defaults to `None`):
+            The dtype of the exported weights: `None` the training dtype (see `model_init_kwargs`), or
+            `"float32"`, `"bfloat16"`. A tied model is exported with one embedding matrix and
+            `tie_word_embeddings=True`.
+        hub_strategy (`str`, *optional*, defaults to `"end"`):
+            Must stay `"end"`: the exported model is pushed by `push_to_hub`; checkpoints are per-rank shards
+            that are never uploaded.
         average_tokens_across_devices (`bool`, *optional*, defaults to `False`):
             Must stay `False`: ranks hold different pipeline stages, and the last stage already weights each
             sample by the target tokens of its replica's batch.
@@ -419,12 +514,18 @@ class NoLoCoConfig(TrainingArguments):
     gossip_group_size: int = 2
     outer_dtype: OuterDtype = "float32"
     offload_outer_state: bool = False
+    model_init_kwargs: dict | str | None = None
+    # Redeclared to carry this class's --help (TrainingArguments': nargs="?" makes a bare flag mean True).
+    activation_checkpointing: bool | None = field(default=None, metadata={"nargs": "?", "const": True})
+    loss_chunk_tokens: int | None = 1024
     divergence_steps: int | None = None
     export_replica: int | None = None
     merge_adapter: bool = False
+    export_dtype: ExportDtype | None = None
     # Changed defaults of TrainingArguments fields.
     average_tokens_across_devices: bool = False
     dataloader_drop_last: bool = True
+    hub_strategy: str = "end"
 
     def __post_init__(self):
         if not self.use_cpu and not torch.cuda.is_available():
@@ -434,6 +535,7 @@ class NoLoCoConfig(TrainingArguments):
         # Checked first: TrainingArguments.__post_init__ joins the process group when launched, and a bad
         # setting must fail before that, on every rank alike.
         check_config(self)
+        self.model_init_kwargs = check_model_init_kwargs(self.model_init_kwargs)
         if self.routing_seed is None:
             self.routing_seed = self.seed
         self.ddp_timeout = max(int(self.ddp_timeout), int(self.p2p_timeout))
@@ -522,11 +624,127 @@ def check_config(c) -> None:
         raise ValueError("average_tokens_across_devices must be False: ranks hold different pipeline stages.")
     if c.load_best_model_at_end:
         raise ValueError("load_best_model_at_end is not supported by NoLoCoTrainer.")
+    check_unhonoured(c)
+    check_model_init_kwargs(c.model_init_kwargs)
+    if c.loss_chunk_tokens is not None:
+        check_positive_int("loss_chunk_tokens", c.loss_chunk_tokens)
+    if c.export_dtype is not None:
+        if c.export_dtype in ("float16", "half"):
+            raise ValueError("export_dtype float16 is not supported: use bfloat16 or float32.")
+        check_choice("export_dtype", c.export_dtype, EXPORT_DTYPES)
+    _check_activation_checkpointing(c)
     _check_trainer_extras(c)
     num_replicas, _ = mesh_shape(int(os.environ.get("WORLD_SIZE", "1")), c.pipeline_stages)
     settings = outer_settings_of(c)
     settings.check_replicas(num_replicas)
     check_export_replica(c.export_replica, num_replicas)
+
+
+# TrainingArguments fields NoLoCoTrainer does not honour, with the values that are honoured (their defaults)
+# and why: each is refused, naming it, rather than accepted and silently ignored. Found by reading
+# transformers' Trainer: features it implements inside compute_loss, training_step, evaluation_loop or
+# _save_checkpoint (which this trainer replaces) or by wrapping the model (which a stage cannot be).
+UNHONOURED: dict[str, tuple[object, str]] = {
+    "use_liger_kernel": (
+        False,
+        "Liger kernels patch the full model's forward, which a pipeline stage never calls",
+    ),
+    "liger_kernel_config": (None, "Liger kernels are not supported (use_liger_kernel)"),
+    "neftune_noise_alpha": (
+        None,
+        "NEFTune noise hooks the full model's embeddings, which a stage does not call",
+    ),
+    "label_smoothing_factor": (0.0, "the pipeline computes LlamaForCausalLM's plain cross-entropy"),
+    "bf16_full_eval": (False, "evaluation runs the stages in their training dtype"),
+    "fp16_full_eval": (False, "evaluation runs the stages in their training dtype"),
+    "auto_find_batch_size": (False, "the batch size fixes the microbatch schedule of every stage"),
+    "include_num_input_tokens_seen": ("no", "the logs carry tokens_seen (tokens of every replica)"),
+    "save_only_model": (False, "a checkpoint always holds what an exact resume needs"),
+    "save_on_each_node": (False, "checkpoints are written once, to a filesystem shared by all ranks"),
+    "enable_jit_checkpoint": (False, "a checkpoint is a collective of every rank, not a signal handler's"),
+    "hub_always_push": (False, "only the exported model is pushed, once (hub_strategy='end')"),
+    "eval_accumulation_steps": (None, "evaluation gathers no predictions, only loss sums"),
+    "eval_use_gather_object": (False, "evaluation gathers no predictions, only loss sums"),
+    "eval_do_concat_batches": (True, "evaluation gathers no predictions, only loss sums"),
+    "batch_eval_metrics": (False, "evaluation computes loss and perplexity only (no compute_metrics)"),
+    "include_for_metrics": ([], "evaluation computes loss and perplexity only (no compute_metrics)"),
+    "label_names": (None, "the labels are always the batch's `labels` (or its input_ids)"),
+    "train_sampling_strategy": ("random", "each replica's shard is shuffled by a seeded sampler"),
+    "length_column_name": ("length", "batches are not grouped by length"),
+    "ddp_find_unused_parameters": (None, "stages are never wrapped in DistributedDataParallel"),
+    "ddp_bucket_cap_mb": (None, "stages are never wrapped in DistributedDataParallel"),
+    "ddp_broadcast_buffers": (None, "stages are never wrapped in DistributedDataParallel"),
+    "ddp_static_graph": (None, "stages are never wrapped in DistributedDataParallel"),
+    "fsdp": (None, "stages are replicated, not sharded"),
+    "fsdp_config": (None, "stages are replicated, not sharded"),
+    "deepspeed": (None, "stages are replicated, not sharded"),
+    "parallelism_config": (None, "the (replica, stage) mesh is hf_noloco's own"),
+    "debug": ("", "the debug hooks assume an unsplit model"),
+    "use_cache": (False, "training never uses a KV cache"),
+    "do_predict": (False, "predict() is not supported"),
+}
+# accelerator_config keys that configure Accelerate's data loading, which the trainer replaces by its own
+# (one shard per replica, shared by the replica's stages).
+_ACCELERATOR_DATA_KEYS = {"split_batches": False, "dispatch_batches": None, "even_batches": True}
+
+
+def check_unhonoured(c) -> None:
+    """Refuses every TrainingArguments option set to a value NoLoCoTrainer would silently ignore (see
+    :data:`UNHONOURED`), with a one-line error naming it."""
+    for name, (default, why) in UNHONOURED.items():
+        if not hasattr(c, name):
+            continue
+        value = getattr(c, name)
+        if value == default or (default == "" and not value) or (default == [] and not value):
+            continue
+        raise ValueError(f"{name}={value!r} is not supported by NoLoCoTrainer: {why}.")
+    strategy = str(getattr(c.hub_strategy, "value", c.hub_strategy))
+    if strategy != "end":
+        raise ValueError(
+            f"hub_strategy={strategy!r} is not supported by NoLoCoTrainer: checkpoints are per-rank shards "
+            "that are never uploaded; push_to_hub uploads the exported model (hub_strategy='end')."
+        )
+    accelerator = c.accelerator_config
+    if isinstance(accelerator, str) and accelerator.strip().startswith("{"):
+        accelerator = json.loads(accelerator)
+    if accelerator is not None and not isinstance(accelerator, (dict, str)):
+        accelerator = dataclasses.asdict(accelerator)
+    if isinstance(accelerator, str):
+        raise ValueError(
+            "accelerator_config is not supported by NoLoCoTrainer: it loads each replica's shard itself."
+        )
+    for key, default in _ACCELERATOR_DATA_KEYS.items():
+        if accelerator and accelerator.get(key, default) != default:
+            raise ValueError(
+                f"accelerator_config {key}={accelerator[key]!r} is not supported by NoLoCoTrainer: it loads "
+                "each replica's shard itself."
+            )
+
+
+def _check_activation_checkpointing(c) -> None:
+    kwargs = c.activation_checkpointing_kwargs
+    if kwargs is None:
+        kwargs = getattr(c, "gradient_checkpointing_kwargs", None)
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError:
+            kwargs = None
+        if not isinstance(kwargs, dict):
+            raise ValueError(
+                "activation_checkpointing_kwargs must be a JSON object such as '{\"every_n_layers\": 2}'."
+            )
+    kwargs = kwargs or {}
+    if kwargs.get("use_reentrant"):
+        raise ValueError(
+            "activation_checkpointing_kwargs: use_reentrant=True is not supported; stages checkpoint their "
+            "decoder layers with the non-reentrant implementation."
+        )
+    every = kwargs.get("every_n_layers", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"activation_checkpointing_kwargs: every_n_layers must be a positive integer, got {every!r}."
+        )
 
 
 def _check_trainer_extras(c) -> None:
@@ -595,6 +813,19 @@ class ModelArguments:
         tokenizer_vocab_size (`int`, *optional*, defaults to `4096`):
             Vocabulary of the BPE tokenizer trained from scratch (at least 259: 256 bytes and 3 special
             tokens).
+        model_revision (`str` or `None`, *optional*, defaults to `None`):
+            The Hub branch, tag or commit of `model_name_or_path` (and of its tokenizer). `None`: `main`.
+        dtype (`str` or `None`, *optional*, defaults to `None`):
+            The weights' dtype: `"float32"` (what `None` means), `"bfloat16"` (weights, gradients and
+            optimizer state in bf16; the outer state stays float32) or `"auto"` (the checkpoint's own). The
+            export is written in it unless `export_dtype` says otherwise. float16 is refused (no loss
+            scaling).
+        attn_implementation (`str` or `None`, *optional*, defaults to `None`):
+            `"sdpa"` (what `None` means), `"eager"`, or `"flash_attention_2"` where the flash_attn package is
+            installed.
+        trust_remote_code (`bool`, *optional*, defaults to `False`):
+            Allow the checkpoint's own modelling code (`auto_map` in its config) to run. The model must still
+            be laid out like Llama; anything else is refused with the list of what it lacks.
 
         > LoRA (PEFT)
 
@@ -619,6 +850,10 @@ class ModelArguments:
     model_config: dict | str | None = None
     tokenizer_name_or_path: str | None = None
     tokenizer_vocab_size: int = 4096
+    model_revision: str | None = None
+    dtype: WeightDtype | None = None
+    attn_implementation: AttnImplementation | None = None
+    trust_remote_code: bool = False
     use_peft: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
@@ -637,6 +872,9 @@ class ModelArguments:
                     "use_peft fine-tunes LoRA adapters on a pretrained model: give model_name_or_path (a "
                     "model from scratch has nothing worth freezing)."
                 )
+        if self.model_revision is not None and self.model_name_or_path is None:
+            raise ValueError("model_revision applies to model_name_or_path, not to a model_config.")
+        check_model_init_kwargs(self.model_init_kwargs())
         if self.model_config is not None:
             self.model_config = model_config_values(self.model_config)
             if self.tokenizer_name_or_path is None and self.tokenizer_vocab_size < 259:
@@ -644,6 +882,16 @@ class ModelArguments:
                     "tokenizer_vocab_size must be at least 259 for a byte-level BPE tokenizer, got "
                     f"{self.tokenizer_vocab_size}."
                 )
+
+    def model_init_kwargs(self) -> dict:
+        """The settings given here, as :class:`NoLoCoConfig`'s ``model_init_kwargs`` holds them."""
+        values = {
+            "dtype": self.dtype,
+            "attn_implementation": self.attn_implementation,
+            "revision": self.model_revision,
+            "trust_remote_code": self.trust_remote_code or None,
+        }
+        return {k: v for k, v in values.items() if v is not None}
 
 
 def model_config_values(spec: dict | str) -> dict:

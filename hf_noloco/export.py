@@ -62,11 +62,17 @@ def consensus_state_dict(stage: nn.Module, mesh, replica: int | None = None) -> 
 
     Returns:
         ``{name: tensor}`` with this stage's state-dict names, detached copies on the communication device
-        (CPU for gloo, the stage's GPU for NCCL). The stage itself is not modified.
+        (CPU for gloo, the stage's GPU for NCCL). The stage itself is not modified. A tied weight's second
+        copy (the stage's ``mirrored_names``) is left out: the stage that holds the first one exports it.
     """
     check_export_replica(replica, mesh.num_replicas)
     device = _comm_device(mesh)
-    state = {name: t.detach().to(device, copy=True) for name, t in stage.state_dict().items()}
+    mirrored = getattr(stage, "mirrored_names", set())
+    state = {
+        name: t.detach().to(device, copy=True)
+        for name, t in stage.state_dict().items()
+        if name not in mirrored
+    }
     if mesh.num_replicas == 1:
         return state
     group = mesh.replica_group
@@ -160,14 +166,22 @@ def _rebuild_computed_buffers(model: nn.Module) -> None:
         )
 
 
-def build_model_from_state_dict(config, state_dict: Mapping[str, torch.Tensor]):
-    """A ``*ForCausalLM`` for ``config`` holding exactly ``state_dict``, never initialising random weights."""
+def build_model_from_state_dict(
+    config, state_dict: Mapping[str, torch.Tensor], trust_remote_code: bool = False
+):
+    """A ``*ForCausalLM`` for ``config`` holding exactly ``state_dict``, never initialising random weights.
+    A tied model's ``lm_head.weight`` may be missing: it is the embeddings. ``trust_remote_code``: the class
+    is the checkpoint's own code (``config.auto_map``)."""
     from transformers import AutoModelForCausalLM
 
+    from .partition import TIED_COPY, TIED_SOURCE, ties_embeddings
+
+    if ties_embeddings(config) and TIED_COPY not in state_dict and TIED_SOURCE in state_dict:
+        state_dict = {**state_dict, TIED_COPY: state_dict[TIED_SOURCE]}
     dtypes = [t.dtype for t in state_dict.values() if t.is_floating_point()]
     dtype = dtypes[0] if dtypes else torch.float32
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     # strict: a missing or extra name means the stages did not cover the model, which must not be saved
     # silently.
     model.load_state_dict(dict(state_dict), strict=True, assign=True)
@@ -187,6 +201,8 @@ def save_consensus_checkpoint(
     generation_config=None,
     replica: int | None = None,
     dst: int = 0,
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
 ) -> str | None:
     """Exports the consensus model as one standard Hugging Face checkpoint. Every rank must call it.
 
@@ -199,9 +215,12 @@ def save_consensus_checkpoint(
         config: the full model's ``PretrainedConfig``.
         output_dir: destination folder (created if needed).
         tokenizer: saved next to the weights when given (anything with ``save_pretrained``).
-        generation_config: a ``GenerationConfig`` to save; default: the one derived from ``config``.
+        generation_config: a ``GenerationConfig`` to save (e.g. the base model's, with its list of end-of-text
+            ids); default: the one derived from ``config``.
         replica: ``None`` for the replica mean, or the index of the replica to export as is.
         dst: global rank that assembles and writes the checkpoint.
+        dtype: the dtype of the saved floating-point weights; default: the stages' own (the training dtype).
+        trust_remote_code: the model class is the checkpoint's own code (saved beside the weights).
 
     Returns:
         The output folder on ``dst``, ``None`` elsewhere. There is no barrier at the end: callers that read
@@ -215,7 +234,9 @@ def save_consensus_checkpoint(
         return None
     output_dir = os.fspath(output_dir)
     os.makedirs(output_dir, exist_ok=True)
-    model = build_model_from_state_dict(config, full)
+    if dtype is not None:
+        full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+    model = build_model_from_state_dict(config, full, trust_remote_code)
     del full
     if generation_config is not None:
         model.generation_config = generation_config

@@ -33,9 +33,11 @@ def perplexity(loss_sum: float | torch.Tensor, token_count: float | torch.Tensor
 
 
 def _unique_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
-    # named_parameters() drops duplicates (tied weights), so a tied tensor is counted once. Frozen weights
+    # named_parameters() drops duplicates (tied weights), so a tied tensor is counted once; a copy of a tied
+    # weight that another stage holds too (a stage's `mirrored_names`) is counted there only. Frozen weights
     # (the base model under LoRA adapters) are the same in every replica: only trained ones can diverge.
-    return [p for _, p in module.named_parameters() if p.requires_grad]
+    mirrored = getattr(module, "mirrored_names", set())
+    return [p for name, p in module.named_parameters() if p.requires_grad and name not in mirrored]
 
 
 @torch.no_grad()

@@ -53,6 +53,11 @@ class OuterOptimizer(torch.optim.Optimizer):
         bucket_mb: the outer step works on buckets of at most this many MiB of fp32 weights (one message per
             partner and bucket), which bounds its temporary memory; small enough that CPU allocators reuse the
             temporaries instead of mapping fresh pages every outer step (4x faster on CPU at 64 MiB stages).
+        tied_weight: this stage's copy of a weight another stage of the column also holds (the tied
+            embeddings, :mod:`hf_noloco.tied`). It gets a bucket of its own, on both stages, so that the two
+            copies go through the same arithmetic on the same numbers and stay bit-identical.
+        tied_mirror: ``tied_weight`` is the copy counted on the other stage: the partner-distance estimate of
+            the divergence leaves it out.
     """
 
     def __init__(
@@ -63,6 +68,8 @@ class OuterOptimizer(torch.optim.Optimizer):
         settings: OuterSettings | None = None,
         p2p_timeout: float = 300.0,
         bucket_mb: float = 16.0,
+        tied_weight: torch.Tensor | None = None,
+        tied_mirror: bool = False,
     ):
         settings = settings if settings is not None else OuterSettings()
         settings.check_replicas(mesh.num_replicas)
@@ -85,8 +92,14 @@ class OuterOptimizer(torch.optim.Optimizer):
         self.params = list(params)
         if not self.params:
             raise ValueError("OuterOptimizer got an empty parameter list.")
-        self.numel = sum(p.numel() for p in self.params)
-        self._buckets = consecutive_buckets([p.numel() * 4 for p in self.params], bucket_mb * 2**20)
+        tied = [i for i, p in enumerate(self.params) if p is tied_weight]
+        if tied_weight is not None and not tied:
+            raise ValueError("tied_weight is not one of params.")
+        self._buckets = _buckets_isolating([p.numel() * 4 for p in self.params], bucket_mb * 2**20, tied)
+        # The mirror's bucket is left out of the divergence estimate (the other stage counts the weight).
+        self._uncounted_bucket = next((b for b, bucket in enumerate(self._buckets) if bucket == tied), None)
+        self._uncounted_bucket = self._uncounted_bucket if tied_mirror else None
+        self.numel = sum(p.numel() for i, p in enumerate(self.params) if not (tied_mirror and i in tied))
 
         self.inner_step_count = 0
         self.outer_step_count = 0
@@ -235,7 +248,8 @@ class OuterOptimizer(torch.optim.Optimizer):
                     f"the weights received from {mesh.describe_rank(peer)}",
                     context,
                 )
-                sq_dist += dist_sq.item()
+                if b != self._uncounted_bucket:
+                    sq_dist += dist_sq.item()
                 diffs.append(diff)
             theta_mean = theta
             for diff in diffs:
@@ -372,6 +386,16 @@ class OuterOptimizer(torch.optim.Optimizer):
         self.bytes_sent = int(outer["bytes_sent"])
         self.bytes_received = int(outer["bytes_received"])
         self.last_divergence_estimate = outer.get("last_divergence_estimate")
+
+
+def _buckets_isolating(sizes: list[int], limit: float, isolated: list[int]) -> list[list[int]]:
+    """:func:`~hf_noloco.comm.consecutive_buckets`, with the item of ``isolated`` (at most one) in a bucket
+    of its own."""
+    if not isolated:
+        return consecutive_buckets(sizes, limit)
+    [i] = isolated
+    after = consecutive_buckets(sizes[i + 1 :], limit)
+    return consecutive_buckets(sizes[:i], limit) + [[i]] + [[j + i + 1 for j in b] for b in after]
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ in ``<Model>Model.forward``, which a stage never calls.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import zlib
@@ -18,12 +19,16 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint as recompute_in_backward
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .config import STAGE_BALANCES, check_choice, check_stage_boundaries
 
 IGNORE_INDEX = -100
+
+# A tied checkpoint stores the shared weight once, under the embeddings' name; lm_head is its other name.
+TIED_SOURCE, TIED_COPY = "model.embed_tokens.weight", "lm_head.weight"
 
 EXPECTED_LAYOUT = (
     "a Llama-family *ForCausalLM with `model.embed_tokens`, `model.layers` (a ModuleList of decoder "
@@ -136,7 +141,8 @@ def stage_compute_costs(model: nn.Module) -> tuple[list[int], int]:
     return layer_costs, model.lm_head.weight.numel()
 
 
-def _tied_embeddings(config: PretrainedConfig) -> bool:
+def ties_embeddings(config: PretrainedConfig) -> bool:
+    """Whether ``lm_head`` is the input embedding matrix (``tie_word_embeddings=True``)."""
     return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
@@ -145,6 +151,12 @@ class PipelineStage(nn.Module):
 
     ``forward`` takes token ids on the first stage and hidden states elsewhere, and returns hidden states,
     or logits on the last stage. Parameter names are those of the full model.
+
+    Tied embeddings (``tie_word_embeddings=True``): with one stage, ``lm_head.weight`` *is*
+    ``model.embed_tokens.weight``. Across stages the first stage holds the embeddings and the last one
+    ``lm_head``: two copies of one weight, built equal and kept equal by summing their gradients after every
+    backward (:mod:`hf_noloco.tied`). :attr:`tied_weight` is this stage's copy; the last stage's is the
+    *mirror*, which metrics and the export skip so that the weight counts once.
     """
 
     def __init__(
@@ -183,6 +195,8 @@ class PipelineStage(nn.Module):
             else ("sliding_attention" if sliding else "full_attention")
             for i in range(*layer_range)
         ]
+        self._checkpoint_fn = None  # set by activation_checkpointing_enable
+        self._checkpoint_every = 1
 
     @property
     def is_first(self) -> bool:
@@ -192,12 +206,81 @@ class PipelineStage(nn.Module):
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
+    @property
+    def ties_across_stages(self) -> bool:
+        """The embeddings are tied and their two ends live on different stages."""
+        return self.num_stages > 1 and ties_embeddings(self.config)
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        """This stage's copy of the tied embedding matrix when its two ends live on different stages
+        (``embed_tokens.weight`` on the first stage, ``lm_head.weight`` on the last), else ``None``."""
+        if not self.ties_across_stages:
+            return None
+        if self.is_first:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight if self.is_last else None
+
+    @property
+    def mirrored_names(self) -> set[str]:
+        """State-dict names of this stage that are copies of a weight another stage counts: the last stage's
+        ``lm_head.weight`` when the embeddings are tied across stages."""
+        return {TIED_COPY} if self.ties_across_stages and self.is_last else set()
+
+    # -------------------------------------------------------------------- activation checkpointing
+
+    def activation_checkpointing_enable(
+        self,
+        activation_checkpointing_kwargs: dict | None = None,
+        every_n_layers: int = 1,
+        offload: bool = False,
+    ) -> None:
+        """Recompute decoder layers in the backward pass instead of keeping their activations: a layer then
+        keeps only its input until its backward. The Trainer calls this when ``activation_checkpointing``
+        (alias ``gradient_checkpointing``) is set, with ``every_n_layers`` (checkpoint the layers whose
+        global index is a multiple of it) and ``offload`` (keep the saved inputs in host memory) taken from
+        ``activation_checkpointing_kwargs``; other keys go to ``torch.utils.checkpoint.checkpoint``. Always
+        non-reentrant (the reentrant variant drops the gradients of inputs passed by keyword)."""
+        kwargs = dict(activation_checkpointing_kwargs or {})
+        if kwargs.pop("use_reentrant", False):
+            raise ValueError(
+                "activation_checkpointing_kwargs: use_reentrant=True is not supported; the stages checkpoint "
+                "their decoder layers with the non-reentrant implementation."
+            )
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive integer, got {every_n_layers!r}.")
+        fn = functools.partial(recompute_in_backward, use_reentrant=False, **kwargs)
+        if offload:
+            device_type = next(self.parameters()).device.type
+            pin = device_type != "cpu"
+
+            def fn(function, *args, _inner=fn, **kw):
+                with torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=device_type):
+                    return _inner(function, *args, **kw)
+
+        self._checkpoint_fn, self._checkpoint_every = fn, every_n_layers
+
+    gradient_checkpointing_enable = activation_checkpointing_enable  # the name before transformers 5
+
+    def activation_checkpointing_disable(self) -> None:
+        self._checkpoint_fn, self._checkpoint_every = None, 1
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return self._checkpoint_fn is not None
+
+    # -------------------------------------------------------------------------------- forward
+
     def forward(
         self,
         inputs: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        logits: bool = True,
     ) -> torch.Tensor:
+        """Hidden states, or on the last stage the logits; with ``logits=False`` the last stage returns the
+        final normed hidden states instead, for a loss that applies ``lm_head`` chunk by chunk
+        (:func:`next_token_losses`)."""
         hidden = self.model.embed_tokens(inputs) if self.is_first else inputs
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -214,28 +297,68 @@ class PipelineStage(nn.Module):
         if "sliding_attention" in self._layer_types:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
         position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
-        for layer, layer_type in zip(self.model.layers.values(), self._layer_types):
-            hidden = layer(
-                hidden,
+        recompute = self._checkpoint_fn is not None and self.training and torch.is_grad_enabled()
+        for (index, layer), layer_type in zip(self.model.layers.items(), self._layer_types):
+            kwargs = dict(
                 attention_mask=masks[layer_type],
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
             )
+            if recompute and int(index) % self._checkpoint_every == 0:
+                hidden = self._checkpoint_fn(layer, hidden, **kwargs)
+            else:
+                hidden = layer(hidden, **kwargs)
         if self.is_last:
-            hidden = self.lm_head(self.model.norm(hidden))
+            hidden = self.model.norm(hidden)
+            if logits:
+                hidden = self.lm_head(hidden)
         return hidden
 
 
-def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def next_token_losses(
+    outputs: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head: nn.Module | None = None,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
     """The cross-entropy of every position's next-token prediction, shape ``(rows, tokens)``, as
     ``LlamaForCausalLM`` computes its loss: labels shifted inside, logits upcast to float32, positions whose
-    target is ``-100`` contributing 0. Summed and divided by :func:`target_token_count` it is that loss."""
+    target is ``-100`` contributing 0. Summed and divided by :func:`target_token_count` it is that loss.
+
+    ``outputs`` are the logits, or, given ``lm_head``, the final hidden states that ``lm_head`` turns into
+    logits. With ``lm_head`` and ``chunk_tokens``, positions are scored ``chunk_tokens`` at a time and, when
+    gradients are needed, each chunk's logits are recomputed in the backward pass (non-reentrant
+    checkpointing): no more than one chunk's logits ever exist, instead of ``rows * tokens * vocab`` floats
+    (8 GiB in float32 for 4 x 4096 tokens of Llama-3's 128k vocabulary), for one more ``lm_head`` forward.
+    """
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-    # (rows * tokens, vocab) rows: three times faster on CPU than the class dimension in the middle
-    losses = F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    flat_targets = targets.flatten()
+    if lm_head is None:
+        return _token_cross_entropy(outputs.flatten(0, 1), flat_targets).view(targets.shape)
+    hidden = outputs.flatten(0, 1)
+    positions = hidden.shape[0]
+    if not chunk_tokens or chunk_tokens >= positions:
+        return _head_cross_entropy(hidden, flat_targets, lm_head).view(targets.shape)
+    recompute = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     )
-    return losses.view(targets.shape)
+    pieces = []
+    for start in range(0, positions, chunk_tokens):
+        chunk = (hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens], lm_head)
+        if recompute:
+            pieces.append(recompute_in_backward(_head_cross_entropy, *chunk, use_reentrant=False))
+        else:
+            pieces.append(_head_cross_entropy(*chunk))
+    return torch.cat(pieces).view(targets.shape)
+
+
+def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # (positions, vocab) rows: three times faster on CPU than the class dimension in the middle
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def _head_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    return _token_cross_entropy(lm_head(hidden), targets)
 
 
 def target_token_count(labels: torch.Tensor) -> torch.Tensor:
@@ -255,16 +378,13 @@ def split_model(
 
     Without ``stage_boundaries``, ``stage_balance`` chooses the split: ``"layers"`` gives every stage the same
     number of decoder layers, ``"compute"`` balances their estimated compute, counting ``lm_head`` on the last
-    stage (:func:`compute_balanced_boundaries`)."""
+    stage (:func:`compute_balanced_boundaries`).
+
+    With tied embeddings the first stage holds ``embed_tokens`` and the last ``lm_head``; split from one
+    model in memory, the two are still the same tensor (so stages composed in one process are the tied
+    model), while stages in different processes hold copies that :mod:`hf_noloco.tied` keeps equal."""
     check_llama_layout(model)
     config = model.config
-    if num_stages > 1 and _tied_embeddings(config):
-        raise ValueError(
-            f"{type(model).__name__} ties its input embeddings to lm_head (tie_word_embeddings=True), and "
-            f"pipeline_stages={num_stages} would put the two on different stages, where they would silently "
-            "train as two copies. Use pipeline_stages=1, or untie them first: load the model with "
-            "`tie_word_embeddings=False` (lm_head then starts as a copy of the embeddings)."
-        )
     layers = model.model.layers
     check_choice("stage_balance", stage_balance, STAGE_BALANCES)
     if stage_boundaries is None and stage_balance == "compute":
@@ -299,19 +419,29 @@ def build_stage(
     dtype: torch.dtype = torch.float32,
     stage_balance: str = "layers",
     seed: int | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PipelineStage:
-    """Builds one stage without ever holding the full model: the model is built on the meta device, the
-    stage is materialised on ``device``, then filled from ``checkpoint`` (a folder of safetensors files)
-    or initialised with the model's own initialisation (``_init_weights``).
+    """Builds one stage without ever holding the full model: the model is built on the meta device (with
+    ``dtype`` weights and ``attn_implementation``, transformers' default when ``None``), the stage is
+    materialised on ``device``, then filled from ``checkpoint`` (a folder of safetensors files) or initialised
+    with the model's own initialisation (``_init_weights``).
 
     A fresh initialisation draws each module's weights from a generator seeded by ``seed`` (default:
     ``torch.initial_seed()``) and the module's name, so every split of the model, ``pipeline_stages=1``
     included, starts from the same weights, and runs with different splits can be compared. The global
-    random state is left as it was."""
+    random state is left as it was. A tied embedding matrix is initialised as the embeddings are, on the
+    first stage and on the last alike."""
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        meta_model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=trust_remote_code, **extra
+        )
     stage = split_model(meta_model, stage_index, num_stages, stage_boundaries, stage_balance)
     stage.to_empty(device=device)
+    tied = ties_embeddings(meta_model.config)
+    if tied and stage.is_first and stage.is_last:
+        stage.lm_head.weight = stage.model.embed_tokens.weight  # to_empty gave the two names two tensors
     # Rotary buffers are computed, not stored: rebuild them on the real device.
     with torch.device(device):
         stage.model.rotary_emb = type(meta_model.model.rotary_emb)(config=meta_model.config)
@@ -324,8 +454,16 @@ def build_stage(
             devices=[device] if device.type == "cuda" else [], device_type=device.type
         ):
             for name, module in stage.named_modules():
+                if tied and name == "lm_head":
+                    continue  # the tied weight is initialised as the embeddings, below or by its own name
                 torch.manual_seed(module_seed(base_seed, name))
                 meta_model._init_weights(module)
+            if tied and stage.is_last and not stage.is_first:
+                # The last stage's copy: the embeddings' initialisation, drawn from the embeddings' seed.
+                embedding = meta_model.model.embed_tokens  # a meta module of the throwaway model
+                embedding.weight = stage.lm_head.weight
+                torch.manual_seed(module_seed(base_seed, "model.embed_tokens"))
+                meta_model._init_weights(embedding)
     return stage
 
 
@@ -361,10 +499,11 @@ def load_stage_weights(stage: PipelineStage, checkpoint: str | os.PathLike) -> N
     files = _safetensors_files(checkpoint)
     wanted = stage.state_dict()
     by_file: dict[str, list[str]] = {}
+    tied = ties_embeddings(stage.config)
     for name in wanted:
         source = name
-        if name not in files and name == "lm_head.weight":
-            source = "model.embed_tokens.weight"  # tied checkpoints store only the embeddings
+        if name == TIED_COPY and (tied or name not in files):
+            source = TIED_SOURCE  # a tied model's lm_head is its embeddings (HF ties them the same way)
         if source not in files:
             raise KeyError(f"{name} is missing from the checkpoint {os.fspath(checkpoint)}.")
         by_file.setdefault(files[source], []).append((name, source))
@@ -375,15 +514,35 @@ def load_stage_weights(stage: PipelineStage, checkpoint: str | os.PathLike) -> N
                     wanted[name].copy_(f.get_tensor(source))
 
 
-def resolve_checkpoint(model_name_or_path: str, revision: str | None = None) -> str:
-    """A local folder for ``model_name_or_path``: itself, or the Hub snapshot of its config and weights."""
+def resolve_checkpoint(
+    model_name_or_path: str, revision: str | None = None, trust_remote_code: bool = False
+) -> str:
+    """A local folder for ``model_name_or_path``: itself, or the Hub snapshot (at ``revision``) of its config,
+    weights, generation config and tokenizer files, plus its Python files when ``trust_remote_code``."""
     if os.path.isdir(model_name_or_path):
+        if revision is not None:
+            raise ValueError(
+                f"model_revision={revision!r} applies to Hub models, but {model_name_or_path!r} is a local "
+                "folder: check out the revision there instead."
+            )
         return model_name_or_path
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(
-        model_name_or_path, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]
-    )
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"] + (["*.py"] if trust_remote_code else [])
+    return snapshot_download(model_name_or_path, revision=revision, allow_patterns=patterns)
+
+
+def weights_dtype(name: str | None, config: PretrainedConfig) -> torch.dtype:
+    """The torch dtype of ``model_init_kwargs["dtype"]``: float32 by default, ``"auto"`` the checkpoint's own
+    (``config.dtype``, float32 when it names none)."""
+    if name is None:
+        return torch.float32
+    if name == "auto":
+        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(saved, str):
+            saved = getattr(torch, saved.removeprefix("torch."), None)
+        return saved if saved in (torch.float32, torch.bfloat16) else torch.float32
+    return getattr(torch, name)
 
 
 def load_config(model_name_or_path: str, **overrides) -> PretrainedConfig:

@@ -12,7 +12,9 @@ mean of the replicas' gradients equals data parallel's gradient whatever the rou
 along the same paths.
 
 Schedules: 1F1B (default; a stage holds at most ``num_stages - stage`` microbatches' activations) or GPipe
-(all forwards, then all backwards; holds every microbatch of the step). No forward is recomputed.
+(all forwards, then all backwards; holds every microbatch of the step). No forward is recomputed unless
+asked: activation checkpointing of the decoder layers (``PipelineStage.activation_checkpointing_enable``) and
+the chunked loss (``loss_chunk_tokens``) trade a recomputation for memory.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm import exchange, wait_sends
-from .config import PIPELINE_SCHEDULES, check_choice, check_microbatch_size
+from .config import PIPELINE_SCHEDULES, check_choice, check_microbatch_size, check_positive_int
 from .mesh import PipelineMesh
 from .partition import PipelineStage, next_token_losses, target_token_count
 from .routing import Router, group_rows_by_peer
@@ -77,6 +79,9 @@ class PipelineEngine:
         p2p_timeout: seconds to wait for a peer before failing with an error that names it.
         autocast: a context manager factory wrapping each stage forward (e.g. bf16 autocast), or None.
         schedule: ``"1f1b"`` (bounded activation memory) or ``"gpipe"``; see :func:`pipeline_order`.
+        loss_chunk_tokens: the last stage scores this many positions at a time, recomputing each chunk's
+            logits in the backward pass, so it never holds a microbatch's full logits; ``None``: all at once
+            (see :func:`~hf_noloco.partition.next_token_losses`).
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class PipelineEngine:
         p2p_timeout: float = 300.0,
         autocast=None,
         schedule: str = "1f1b",
+        loss_chunk_tokens: int | None = None,
     ):
         check_choice("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
         check_microbatch_size(microbatch_size, microbatch_size)
@@ -100,6 +106,9 @@ class PipelineEngine:
         self.p2p_timeout = p2p_timeout
         self.autocast = autocast or contextlib.nullcontext
         self.schedule = schedule
+        if loss_chunk_tokens is not None:
+            check_positive_int("loss_chunk_tokens", loss_chunk_tokens)
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.peak_microbatches_held = 0  # of the last step: what bounds activation memory
         self.device = next(stage.parameters()).device
         self.activation_dtype = next(stage.parameters()).dtype
@@ -165,9 +174,10 @@ class PipelineEngine:
             sample_ids.append(mb_meta[:, 0])
             labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len)
             with self.autocast():
-                y = self.stage(x, attention_mask=attention_mask, position_ids=position_ids)
+                y = self.stage(x, attention_mask=attention_mask, position_ids=position_ids, logits=False)
+                if self.stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
+                    token_losses = next_token_losses(y, labels, self.stage.lm_head, self.loss_chunk_tokens)
             if self.stage.is_last:
-                token_losses = next_token_losses(y, labels)
                 target_tokens += target_token_count(labels)
                 if training:  # a sample's weight is 1 / (target tokens of the batch it came from)
                     y = (token_losses.sum(1) / mb_meta[:, 1].clamp(min=1)).sum()

@@ -19,6 +19,7 @@ names the root cause.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
@@ -29,9 +30,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
+from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback, default_data_collator
+from transformers import (
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Trainer,
+    TrainerCallback,
+    default_data_collator,
+)
 
 from . import adapters, checkpoint
 from .card import PLOT_FILE, plot_training_curves, render_model_card
@@ -42,10 +51,18 @@ from .hub import check_hub_settings, push_folder_to_hub
 from .mesh import PipelineMesh
 from .metrics import perplexity, replica_divergence
 from .outer import OuterOptimizer, broadcast_replica_weights
-from .partition import build_stage, load_config, resolve_checkpoint, split_model
+from .partition import (
+    build_stage,
+    load_config,
+    resolve_checkpoint,
+    split_model,
+    ties_embeddings,
+    weights_dtype,
+)
 from .pipeline import PipelineEngine
 from .routing import Router
 from .streaming import TokenStream
+from .tied import TiedEmbeddings
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +95,8 @@ class NoLoCoTrainer(Trainer):
         blocks, padded rows). ``train_dataset`` / ``eval_dataset`` may be
         :class:`~hf_noloco.streaming.TokenStream` s (``max_steps`` needed): each replica then reads its own
         shard, and a checkpoint records its position.
+        ``compute_metrics`` and ``preprocess_logits_for_metrics`` are refused: evaluation computes
+        the loss and perplexity inside the pipeline, and no rank ever holds a batch's logits whole.
     """
 
     def __init__(
@@ -98,6 +117,17 @@ class NoLoCoTrainer(Trainer):
             raise TypeError(f"NoLoCoTrainer needs a NoLoCoConfig, got {type(args).__name__}.")
         _check_adapter_inputs(model, args, peft_config)
         _check_streams(train_dataset, args)
+        for name in ("compute_metrics", "preprocess_logits_for_metrics", "model_init"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"{name} is not supported by NoLoCoTrainer: evaluation computes loss and perplexity "
+                    "inside the pipeline (no rank holds a batch's logits whole); the model is given directly."
+                )
+        if isinstance(model, PreTrainedModel) and args.model_init_kwargs:
+            raise ValueError(
+                "model_init_kwargs only applies when the model is given as a Hub id, a folder or a config; "
+                "this model is already built: set its dtype and attention implementation on it directly."
+            )
         _ensure_process_group(args)
         self.mesh = PipelineMesh.build(args.pipeline_stages, device=args.device)
         self.base_model = (
@@ -106,9 +136,14 @@ class NoLoCoTrainer(Trainer):
             else getattr(getattr(model, "config", None), "_name_or_path", None) or None
         )
         self.base_model_folder: str | None = None  # a fine-tuned checkpoint's files (its card, its license)
+        self.base_generation_config = getattr(model, "generation_config", None)  # what the export carries
         self.data_args = data_args
         self.peft_config = None  # the LoraConfig with its target modules resolved, once the adapters exist
         stage = self._build_stage(model, args, peft_config)
+        self.export_config = copy.deepcopy(stage.config)  # before the Trainer switches off use_cache
+        if args.torch_compile:  # per decoder layer: the stage's own code (masks, routing) stays eager
+            for layer in stage.model.layers.values():
+                layer.compile(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
         # With adapters, every replica read the same frozen base weights: only the adapters need to agree.
         broadcast_replica_weights(
             stage
@@ -116,6 +151,8 @@ class NoLoCoTrainer(Trainer):
             else nn.ParameterList(adapters.trainable_state_dict(stage).values()),
             self.mesh,
         )
+        self.tied = TiedEmbeddings(stage, self.mesh, args.p2p_timeout)
+        self.tied.check_equal()
         self._check_dataset_size(train_dataset, args)
         super().__init__(
             model=stage,
@@ -138,6 +175,7 @@ class NoLoCoTrainer(Trainer):
             # no-op in v5).
             autocast=lambda: self.accelerator.autocast(),
             schedule=args.pipeline_schedule,
+            loss_chunk_tokens=args.loss_chunk_tokens,
         )
         self.outer: OuterOptimizer | None = None
         self._train_stream: TokenStream | None = None  # this replica's shard of a streamed training set
@@ -168,12 +206,16 @@ class NoLoCoTrainer(Trainer):
         if isinstance(model, PreTrainedModel):
             stage = split_model(model, mesh.stage, mesh.num_stages, args.stage_boundaries, args.stage_balance)
             return stage.to(args.device)
+        init = args.model_init_kwargs or {}
+        trust = init.get("trust_remote_code", False)
         if isinstance(model, str):
-            folder = self.base_model_folder = resolve_checkpoint(model)
-            config = load_config(folder)
-            if peft_config is not None:
-                adapters.check_adapter_split(config, mesh.num_stages)
+            folder = self.base_model_folder = resolve_checkpoint(model, init.get("revision"), trust)
+            config = load_config(folder, trust_remote_code=trust)
+            if os.path.exists(os.path.join(folder, "generation_config.json")):
+                self.base_generation_config = GenerationConfig.from_pretrained(folder)
         elif isinstance(model, PretrainedConfig):
+            if init.get("revision") is not None:
+                raise ValueError("model_revision applies to a Hub model, not to a config built in Python.")
             folder, config = None, model  # replica 0's initialisation is broadcast to the others
         else:
             raise TypeError(
@@ -187,8 +229,11 @@ class NoLoCoTrainer(Trainer):
             args.stage_boundaries,
             folder,
             args.device,
+            dtype=weights_dtype(init.get("dtype"), config),
             stage_balance=args.stage_balance,
             seed=args.seed,
+            attn_implementation=init.get("attn_implementation"),
+            trust_remote_code=trust,
         )
 
     def _check_dataset_size(self, dataset, args: NoLoCoConfig) -> None:
@@ -224,6 +269,8 @@ class NoLoCoTrainer(Trainer):
                 self.mesh,
                 self.args.outer_settings,
                 p2p_timeout=self.args.p2p_timeout,
+                tied_weight=self.tied.weight if self.tied.trains else None,
+                tied_mirror=self.tied.is_mirror,
             )
             self.optimizer = self.outer
             if self.outer.settings.has_outer_step:
@@ -243,14 +290,20 @@ class NoLoCoTrainer(Trainer):
         if isinstance(dataset, TokenStream):
             return self._stream_loader(dataset, batch_size, training=shuffle)
         dataset = self._remove_unused_columns(dataset, description=description)
+        workers = self.args.dataloader_num_workers
         loader = DataLoader(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
             drop_last=shuffle and self.args.dataloader_drop_last,
             collate_fn=self.data_collator,
-            num_workers=self.args.dataloader_num_workers,
+            num_workers=workers,
             pin_memory=self.args.dataloader_pin_memory and self.args.device.type == "cuda",
+            # the Trainer's own loader options, which only apply with worker processes
+            persistent_workers=self.args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=self.args.dataloader_prefetch_factor if workers > 0 else None,
+            multiprocessing_context=self.args.dataloader_multiprocessing_context if workers > 0 else None,
+            in_order=self.args.dataloader_in_order,
         )
         return prepare_data_loader(
             loader,
@@ -327,8 +380,12 @@ class NoLoCoTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.model.train()
         result = self.engine.train_step(inputs)
-        self.outer.reduce_gradients()
+        self.outer.reduce_gradients()  # ddp: first, so the tied sum below adds replica-averaged gradients
+        self.tied.sum_gradients()
         self.tokens_seen += inputs["input_ids"].numel() * self.mesh.num_replicas
+        steps = self.args.torch_empty_cache_steps
+        if steps is not None and (self.state.global_step + 1) % steps == 0:
+            clear_device_cache()
         loss = result.loss if result.loss is not None else torch.zeros((), device=self.args.device)
         # One all-reduce over the column carries [loss (from the last stage), squared grad norm of each
         # stage]: every rank then reports its column's loss (the Trainer's mean over ranks is the replicas'
@@ -336,9 +393,11 @@ class NoLoCoTrainer(Trainer):
         # own.
         stats = torch.zeros(1 + self.mesh.num_stages, dtype=torch.float32, device=self.args.device)
         stats[0] = loss.detach().float()
-        for p in self.model.parameters():
-            if p.grad is not None:
-                stats[1 + self.mesh.stage] += p.grad.detach().float().pow(2).sum()
+        mirrored = self.model.mirrored_names  # the tied weight's second copy: counted on the first stage
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and name not in mirrored:
+                # no float32 copy of the gradient (2 GiB for an 8B model's embeddings)
+                stats[1 + self.mesh.stage] += torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
         if self.mesh.num_stages > 1:
             work = dist.all_reduce(stats, group=self.mesh.column_group, async_op=True)
             wait_collective(
@@ -536,6 +595,7 @@ class NoLoCoTrainer(Trainer):
         state = checkpoint.load_rank_state(
             resume_from_checkpoint, self.mesh, self.model, trainable_only=self.peft_config is not None
         )
+        self.tied.check_equal()
         self.engine.load_state_dict(state["engine"])
         if state.get("stream") is not None:
             if self._train_stream is not None:
@@ -564,10 +624,13 @@ class NoLoCoTrainer(Trainer):
             path = save_consensus_checkpoint(
                 self.model,
                 self.mesh,
-                self.model.config,
+                self.export_config,
                 output_dir,
                 tokenizer=self.processing_class,
+                generation_config=self.base_generation_config,
                 replica=self.args.export_replica,
+                dtype=getattr(torch, self.args.export_dtype) if self.args.export_dtype else None,
+                trust_remote_code=(self.args.model_init_kwargs or {}).get("trust_remote_code", False),
             )
             if path is not None:
                 self._write_model_card(output_dir)
@@ -616,6 +679,10 @@ class NoLoCoTrainer(Trainer):
             "weight_decay": args.weight_decay,
             "max_grad_norm": args.max_grad_norm,
             "mixed_precision": "bf16" if args.bf16 else "no",
+            "weights_dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            "activation_checkpointing": bool(args.activation_checkpointing),
+            "loss_chunk_tokens": args.loss_chunk_tokens,
+            "tied_embeddings": ties_embeddings(self.model.config),
             "seed": args.seed,
             "export_replica": args.export_replica,
             "adapter": adapters.adapter_summary(self.peft_config) if self.peft_config else None,
@@ -689,7 +756,7 @@ class NoLoCoTrainer(Trainer):
                     token=token or self.args.hub_token,
                     private=self.args.hub_private_repo,
                     commit_message=commit_message or "End of training",
-                    revision=revision,
+                    revision=revision or self.args.hub_revision,
                 )
             dist.barrier()
         return url

@@ -191,9 +191,9 @@ def test_tied_models_with_lora(tmp_path):
     # Replicas only: the tied, frozen embeddings stay one tensor; it trains and exports.
     assert run_distributed(_tied, 2, str(tmp_path), 1, timeout_s=180) == ["trained"] * 2
     assert os.path.exists(tmp_path / "out1" / "adapter_model.safetensors")
-    # Across pipeline stages: a clear error on every rank, before anything is built.
-    errors = run_distributed(_tied, 2, str(tmp_path), 2, timeout_s=180)
-    assert all("tie_word_embeddings=True" in e and "pipeline_stages=1" in e for e in errors)
+    # Across pipeline stages: the two copies of the frozen tied matrix stay equal; it trains and exports.
+    assert run_distributed(_tied, 2, str(tmp_path), 2, timeout_s=180) == ["trained"] * 2
+    assert os.path.exists(tmp_path / "out2" / "adapter_model.safetensors")
 
 
 def test_lora_settings_are_checked(tmp_path, monkeypatch):

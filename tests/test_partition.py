@@ -1,5 +1,6 @@
 """Splitting a model into stages: the stages composed in one process are the unsplit model."""
 
+import copy
 import itertools
 import random
 
@@ -139,13 +140,150 @@ def test_stages_compose_to_the_unsplit_model(family, layers, stages, boundaries)
             torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_tied_embeddings_are_refused_across_stages():
-    config = tiny_config("llama", 4)
+def _tied_model(family, layers, seed=1):
+    config = tiny_config(family, layers)
     config.tie_word_embeddings = True
-    model = type(tiny_model())(config)
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        split_model(model, 0, 2)
-    split_model(model, 0, 1)  # one stage holds both ends: nothing to keep in sync
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+@pytest.mark.parametrize(
+    "family, layers, stages, boundaries",
+    [
+        ("llama", 4, 2, None),
+        ("llama", 5, 3, [1, 4]),  # uneven 1/3/1
+        ("qwen2", 4, 2, [3]),  # uneven 3/1
+        ("qwen2", 6, 3, None),
+        ("qwen3", 4, 2, None),
+        ("qwen3", 5, 3, [2, 3]),  # uneven 2/1/2
+    ],
+)
+def test_tied_stages_as_separate_copies_compose_to_the_tied_model(family, layers, stages, boundaries):
+    """Each stage copied (as in its own process): the first holds the embeddings, the last lm_head, two
+    copies of one tensor; their gradients summed are the tied model's gradient."""
+    model = _tied_model(family, layers)
+    batch = make_batch(3, 12, seed=2)
+    reference = model(**batch)
+    reference.loss.backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    parts = [copy.deepcopy(split_model(model, s, stages, boundaries)) for s in range(stages)]
+    first, last = parts[0], parts[-1]
+    assert first.tied_weight is first.model.embed_tokens.weight and last.tied_weight is last.lm_head.weight
+    assert first.tied_weight is not last.tied_weight and torch.equal(first.tied_weight, last.tied_weight)
+    assert last.mirrored_names == {"lm_head.weight"} and first.mirrored_names == set()
+    assert all(p.tied_weight is None for p in parts[1:-1])
+    hidden = batch["input_ids"]
+    for part in parts:
+        hidden = part(hidden, attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(hidden, reference.logits, rtol=0, atol=1e-6)
+    loss = next_token_losses(hidden, batch["labels"]).sum() / target_token_count(batch["labels"])
+    torch.testing.assert_close(loss, reference.loss, rtol=0, atol=1e-6)
+    loss.backward()
+    tied = "model.embed_tokens.weight"
+    torch.testing.assert_close(first.tied_weight.grad + last.tied_weight.grad, expected_grads[tied])
+    assert not torch.allclose(first.tied_weight.grad, expected_grads[tied])  # neither end alone is it
+    for part in parts:
+        for name, param in part.named_parameters():
+            if param is not part.tied_weight:
+                torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    # In one process, without copies, the stages share the tensor: they are the tied model as it is.
+    shared = [split_model(model, s, stages, boundaries) for s in range(stages)]
+    assert shared[0].tied_weight is shared[-1].tied_weight
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tied_stages_are_built_equal_and_one_stage_keeps_one_tensor(tmp_path, family):
+    config = tiny_config(family, 4)
+    config.tie_word_embeddings = True
+    whole = build_stage(config, 0, 1, seed=5)
+    assert whole.lm_head.weight is whole.model.embed_tokens.weight  # one tensor, not two trained apart
+    assert whole.tied_weight is None and whole.mirrored_names == set()
+    for stages in (2, 3):
+        first, last = build_stage(config, 0, stages, seed=5), build_stage(config, stages - 1, stages, seed=5)
+        assert torch.equal(first.tied_weight, whole.model.embed_tokens.weight)
+        assert torch.equal(last.tied_weight, whole.model.embed_tokens.weight)
+    # From a tied checkpoint (which stores the matrix once, as the embeddings): lm_head reads it too.
+    model = _tied_model(family, 4, seed=4)
+    model.save_pretrained(tmp_path)
+    last = build_stage(config, 1, 2, checkpoint=tmp_path)
+    torch.testing.assert_close(last.lm_head.weight, model.model.embed_tokens.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows, seq_len, chunk", [(3, 12, 5), (2, 8, 16), (4, 6, 6), (1, 9, 1)])
+def test_chunked_loss_equals_the_loss_on_full_logits(rows, seq_len, chunk):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(rows, seq_len, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (rows, seq_len))
+    labels[0, -3:] = -100
+    plain = next_token_losses(head(hidden), labels)
+    weights = torch.rand(rows, seq_len)  # any upstream gradient, not just a sum
+    (plain * weights).sum().backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    chunked = next_token_losses(hidden, labels, head, chunk_tokens=chunk)
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
+    (chunked * weights).sum().backward()
+    torch.testing.assert_close(hidden.grad, grads[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(head.weight.grad, grads[1], rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # evaluation: chunks without recomputation
+        torch.testing.assert_close(
+            next_token_losses(hidden, labels, head, chunk), plain, rtol=1e-6, atol=1e-6
+        )
+    assert chunked[0, -4:].eq(0).all()  # targets of -100 (and the last position) score 0
+
+
+def _stage_grads(stage, batch, **checkpointing):
+    stage.zero_grad(set_to_none=True)
+    if checkpointing:
+        stage.activation_checkpointing_enable(**checkpointing)
+    else:
+        stage.activation_checkpointing_disable()
+    out = stage(batch["input_ids"], attention_mask=batch["attention_mask"], logits=False)
+    loss = next_token_losses(out, batch["labels"], stage.lm_head, 7).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in stage.named_parameters()}
+
+
+def _counting(forward, calls):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    return counted
+
+
+@pytest.mark.parametrize(
+    "checkpointing",
+    [
+        {},
+        {"every_n_layers": 2},
+        {"offload": True},
+        {"activation_checkpointing_kwargs": {"preserve_rng_state": False}},
+    ],
+)
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(checkpointing):
+    stage = split_model(tiny_model("qwen2", 4, seed=3), 0, 1)
+    batch = make_batch(3, 12, seed=4)
+    loss, grads = _stage_grads(stage, batch)
+    recomputed = []
+    for layer in stage.model.layers.values():  # counts layer forwards, the backward's recomputations included
+        layer.forward = _counting(layer.forward, recomputed)
+    ckpt_loss, ckpt_grads = _stage_grads(stage, batch, **(checkpointing or {"every_n_layers": 1}))
+    every = checkpointing.get("every_n_layers", 1)
+    assert len(recomputed) == 4 + 4 // every  # each checkpointed layer ran forward twice
+    assert torch.equal(loss, ckpt_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, ckpt_grads[name]), name
+    with torch.no_grad():  # no backward to recompute for: layers run once
+        recomputed.clear()
+        stage(batch["input_ids"])
+        assert len(recomputed) == 4
+    with pytest.raises(ValueError, match="use_reentrant=True is not supported"):
+        stage.activation_checkpointing_enable({"use_reentrant": True})
 
 
 def test_non_llama_architecture_is_refused_with_the_expected_layout():
