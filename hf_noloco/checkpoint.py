@@ -57,6 +57,7 @@ def write_checkpoint(
     write_shared_state: Callable[[str], None],
     timeout: float,
     save_total_limit: int | None = None,
+    best_model_checkpoint: str | None = None,
 ) -> str:
     """Writes ``run_dir/checkpoint-<step>`` atomically. Collective: every rank calls it.
 
@@ -68,6 +69,7 @@ def write_checkpoint(
         write_shared_state: called on rank 0 once every rank has written; writes the files of the whole run.
         timeout: seconds rank 0 waits for the others (a monitored barrier names the ranks that did not
         arrive). save_total_limit: the Trainer's limit on kept checkpoints.
+        best_model_checkpoint: the checkpoint of the best ``metric_for_best_model``, which the limit keeps.
 
     Returns:
         The completed checkpoint's folder.
@@ -91,7 +93,12 @@ def write_checkpoint(
     if mesh.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=save_total_limit, use_mtime=False)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=save_total_limit,
+            best_model_checkpoint=best_model_checkpoint,
+            use_mtime=False,
+        )
     dist.barrier()
     return final
 

@@ -695,7 +695,7 @@ def check_unhonoured(c) -> None:
         if not hasattr(c, name):
             continue
         value = getattr(c, name)
-        if value == default or (default == "" and not value) or (default == [] and not value):
+        if value == default or (default in ("", [], "no") and not value):  # before TrainingArguments parses
             continue
         raise ValueError(f"{name}={value!r} is not supported by NoLoCoTrainer: {why}.")
     strategy = str(getattr(c.hub_strategy, "value", c.hub_strategy))

@@ -52,8 +52,10 @@ def check_llama_layout(model: nn.Module) -> None:
     if not isinstance(getattr(model, "lm_head", None), nn.Module):
         missing.append("lm_head")
     if missing:
+        module = type(model).__module__
+        remote = "" if module.startswith("transformers.") else f" (its own code, from {module})"
         raise ValueError(
-            f"{type(model).__name__} is not a Llama-family causal LM: it lacks {', '.join(missing)}. "
+            f"{type(model).__name__}{remote} is not a Llama-family causal LM: it lacks {', '.join(missing)}. "
             f"hf_noloco splits {EXPECTED_LAYOUT}."
         )
 

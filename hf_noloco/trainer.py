@@ -546,15 +546,22 @@ class NoLoCoTrainer(Trainer):
         """Every rank writes its stage replica; the folder appears only once all are done (see
         :mod:`hf_noloco.checkpoint`)."""
         self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        best = self.state.best_global_step  # set by the Trainer when metric_for_best_model improves
+        if best and self.args.save_strategy in ("steps", "epoch", "best"):
+            folder = os.path.join(run_dir, f"{checkpoint.PREFIX_CHECKPOINT_DIR}-{best}")
+            if best == self.state.global_step or os.path.isdir(folder):
+                self.state.best_model_checkpoint = folder  # recorded, and kept by save_total_limit
         with self._patient():  # writing files may take longer than p2p_timeout
             checkpoint.write_checkpoint(
-                self._get_output_dir(trial=trial),
+                run_dir,
                 self.state.global_step,
                 self.mesh,
                 self._write_rank_state,
                 self._write_run_state,
                 timeout=self.args.ddp_timeout,
                 save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
             )
 
     def _write_rank_state(self, folder: str) -> None:
