@@ -31,7 +31,7 @@ def byte_corpus(blocks: int, offset: int = 0) -> Dataset:
     return Dataset.from_dict({"input_ids": rows, "labels": rows})
 
 
-def byte_config(layers=4, vocab_size=256):
+def byte_config(layers=4, vocab_size=256, tied=False):
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=48,
@@ -40,7 +40,7 @@ def byte_config(layers=4, vocab_size=256):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
 
 
@@ -157,7 +157,7 @@ def test_noloco_run_learns_logs_exports_and_pushes(tmp_path, monkeypatch):
     assert {"README.md", "config.json", "model.safetensors", "training_curves.png"} <= set(commit["files"])
 
 
-def _straight_then_resumed(out):
+def _straight_then_resumed(out, tied):
     from hf_noloco.trainer import NoLoCoTrainer
 
     data = byte_corpus(256)
@@ -178,7 +178,7 @@ def _straight_then_resumed(out):
             stage_balance="compute",
         )
         # A 1024-word lm_head weighs 2.4 layers: the compute-balanced split is 3/1, not 2/2.
-        trainer = NoLoCoTrainer(byte_config(vocab_size=1024), args, train_dataset=data)
+        trainer = NoLoCoTrainer(byte_config(vocab_size=1024, tied=tied), args, train_dataset=data)
         assert trainer.model.all_layer_ranges == [(0, 3), (3, 4)]
         trainer.train(resume_from_checkpoint=resume)
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
@@ -191,15 +191,17 @@ def _straight_then_resumed(out):
         )
     args = make_args(out, max_steps=12, inner_steps=4, eval_strategy="no")  # even split: cannot resume 3/1
     with pytest.raises(ValueError, match=r"layer_ranges=\[\[0, 3\], \[3, 4\]\]"):
-        NoLoCoTrainer(byte_config(vocab_size=1024), args, train_dataset=data).train(
+        NoLoCoTrainer(byte_config(vocab_size=1024, tied=tied), args, train_dataset=data).train(
             resume_from_checkpoint=os.path.join(out, "checkpoint-6")
         )
     trainer.end()
     return runs
 
 
-def test_resume_continues_exactly(tmp_path):
-    for straight, resumed in run_distributed(_straight_then_resumed, 4, str(tmp_path / "run"), timeout_s=180):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_resume_continues_exactly(tmp_path, tied):
+    runs = run_distributed(_straight_then_resumed, 4, str(tmp_path / "run"), tied, timeout_s=180)
+    for straight, resumed in runs:
         losses, weights, outer_steps = straight
         resumed_losses, resumed_weights, resumed_outer_steps = resumed
         assert outer_steps == resumed_outer_steps == 3  # outer steps at 4, 8 and 12 straddle the resume
