@@ -1,0 +1,364 @@
+"""Peak memory of one pipeline stage on CPU, measured, against hf_noloco.memory's prediction.
+
+Real model configurations (Llama-3.2-1B whole; Llama-3.1-8B and Qwen3-8B with fewer layers, so that a stage
+fits this machine; real hidden, MLP, head and vocabulary sizes), built on the meta device with only the
+measured stage materialised, random weights. Each case runs in a fresh process that trains its stage as its
+rank would: the stage's 1F1B (or GPipe) order of microbatch forwards and backwards (stage inputs and the
+gradients of its outputs are random tensors standing in for its neighbours' messages; the last stage computes
+the engine's loss), the column-norm clipping, fused AdamW and, for the outer-state cases, DiLoCo's outer state
+and outer step (with one replica: the same float32 state as NoLoCo). Three steps: the first creates the
+optimizer state, the second runs the outer step.
+
+Measured: the process's peak resident memory (VmHWM, reset through /proc/self/clear_refs) above its
+resident memory before the stage is materialised, with glibc's mmap threshold fixed at 128 KiB so that freed
+tensors go back to the system at once (otherwise freed memory lingers in malloc's heap and the resident size
+overstates what is live). Separately, the peak above the static memory (weights, gradients, optimizer and outer
+state) during a third forward and backward: the activations. Each prediction must be within 15% of its
+measurement.
+
+Memory: the machine is shared. Before each case the free memory (MemAvailable) must exceed the predicted peak
+by 2 GiB plus 30%, or the case is skipped and reported so; cases run one at a time.
+
+    python benchmarks/memory.py                     # every case (about 30-60 minutes on 2 busy cores)
+    python benchmarks/memory.py --only 1b-s1-fp32   # some cases (names below), merged into the results
+    python benchmarks/memory.py --quick             # smoke: a tiny model, checks the output
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(BENCH_DIR, "results", "memory.json")
+sys.path.insert(0, os.path.dirname(BENCH_DIR))
+
+GIB = 2**30
+TOLERANCE = 0.15
+
+# The published configurations' shapes (config.json on the Hub), with num_hidden_layers cut where noted.
+LLAMA_32_1B = dict(
+    model_type="llama",
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+LLAMA_31_8B_4L = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=4,  # of 32
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+QWEN3_8B_4L = dict(
+    model_type="qwen3",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=4,  # of 36
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+)
+TINY = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    tie_word_embeddings=True,
+)
+
+_DEFAULTS = dict(
+    micro=1,
+    seq=1024,
+    num_micro=2,
+    dtype="float32",
+    autocast=False,
+    ckpt=False,
+    chunk=None,
+    schedule="1f1b",
+    outer="local",
+)
+
+
+def _case(name, model, pp, stage, **options):
+    return {"name": name, "model": model, "pp": pp, "stage": stage, **_DEFAULTS, **options}
+
+
+CASES = [
+    # Llama-3.2-1B, whole (16 layers) over 8 stages: a middle stage (2 layers) in every precision
+    _case("1b-s1-fp32", LLAMA_32_1B, 8, 1),
+    _case("1b-s1-fp32-ckpt", LLAMA_32_1B, 8, 1, ckpt=True),
+    _case("1b-s1-autocast", LLAMA_32_1B, 8, 1, autocast=True),
+    _case("1b-s1-bf16", LLAMA_32_1B, 8, 1, dtype="bfloat16"),
+    _case("1b-s1-bf16-ckpt", LLAMA_32_1B, 8, 1, dtype="bfloat16", ckpt=True),
+    _case("1b-s1-bf16-outer", LLAMA_32_1B, 8, 1, dtype="bfloat16", outer="diloco"),
+    # held microbatches: stage 6 of 8 holds 2 of 4 under 1F1B, all 4 under GPipe
+    _case("1b-s6-bf16-1f1b", LLAMA_32_1B, 8, 6, dtype="bfloat16", num_micro=4, seq=2048),
+    _case("1b-s6-bf16-gpipe", LLAMA_32_1B, 8, 6, dtype="bfloat16", num_micro=4, seq=2048, schedule="gpipe"),
+    # the ends: the embeddings, and the tied lm_head copy with the plain and the chunked loss
+    _case("1b-s0-bf16-ckpt", LLAMA_32_1B, 8, 0, dtype="bfloat16", ckpt=True, seq=2048),
+    _case("1b-s7-bf16-plain-loss", LLAMA_32_1B, 8, 7, dtype="bfloat16", seq=2048),
+    _case("1b-s7-bf16-chunked-loss", LLAMA_32_1B, 8, 7, dtype="bfloat16", seq=2048, chunk=256),
+    # Llama-3.1-8B (4 of 32 layers over 4 stages): one 218M-parameter layer
+    _case("8b-s1-fp32", LLAMA_31_8B_4L, 4, 1),
+    _case("8b-s1-fp32-ckpt", LLAMA_31_8B_4L, 4, 1, ckpt=True),
+    _case("8b-s1-bf16-seq4096", LLAMA_31_8B_4L, 4, 1, dtype="bfloat16", seq=4096),
+    _case("8b-s1-bf16-seq4096-ckpt", LLAMA_31_8B_4L, 4, 1, dtype="bfloat16", seq=4096, ckpt=True),
+    # Qwen3-8B (4 of 36 layers over 4 stages): q/k norms, head_dim 128
+    _case("qwen3-8b-s1-bf16-outer", QWEN3_8B_4L, 4, 1, dtype="bfloat16", outer="diloco", seq=2048),
+    _case("qwen3-8b-s1-bf16-ckpt", QWEN3_8B_4L, 4, 1, dtype="bfloat16", ckpt=True, seq=2048),
+]
+QUICK_CASES = [
+    _case("tiny-s1-fp32", TINY, 2, 1, seq=64, outer="diloco"),
+    _case("tiny-s0-bf16-ckpt", TINY, 2, 0, seq=64, dtype="bfloat16", ckpt=True, chunk=32),
+]
+
+
+# --------------------------------------------------------------------------------------------- prediction
+
+
+def predict(case) -> dict:
+    from transformers import AutoConfig
+
+    from hf_noloco.memory import estimate_stage_memory
+
+    config = AutoConfig.for_model(**case["model"])
+    estimate = estimate_stage_memory(
+        config,
+        case["pp"],
+        case["stage"],
+        microbatch_size=case["micro"],
+        seq_len=case["seq"],
+        num_microbatches=case["num_micro"],
+        dtype=case["dtype"],
+        bf16_autocast=case["autocast"],
+        activation_checkpointing=case["ckpt"],
+        loss_chunk_tokens=case["chunk"],
+        schedule=case["schedule"],
+        outer_optimizer=case["outer"],
+        num_replicas=1,
+    )
+    return {**estimate.as_dict(), "static": estimate.static}
+
+
+# ------------------------------------------------------------------------------------ measurement (child)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+
+
+def measure(case) -> dict:
+    """Runs in a fresh process (see main): trains the stage three steps and returns the peaks."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from hf_noloco.config import OuterSettings
+    from hf_noloco.local_launch import free_port
+    from hf_noloco.mesh import PipelineMesh
+    from hf_noloco.outer import OuterOptimizer
+    from hf_noloco.partition import build_stage, next_token_losses, target_token_count
+    from hf_noloco.pipeline import pipeline_order
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**case["model"])
+    pp, s, micro, seq, num_micro = case["pp"], case["stage"], case["micro"], case["seq"], case["num_micro"]
+    dtype = getattr(torch, case["dtype"])
+    baseline = _status("VmRSS")
+    _reset_peak()
+    stage = build_stage(config, s, pp, dtype=dtype, seed=0, attn_implementation="sdpa")
+    stage.train()
+    if case["ckpt"]:
+        stage.activation_checkpointing_enable()
+    params = list(stage.parameters())
+    inner = torch.optim.AdamW(params, lr=1e-6, fused=True)
+    optimizer = inner
+    if case["outer"] != "local":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        mesh = PipelineMesh.build(1)
+        optimizer = OuterOptimizer(inner, params, mesh, OuterSettings(case["outer"], inner_steps=2))
+    hidden = config.hidden_size
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case["autocast"])
+    g = torch.Generator().manual_seed(1)
+
+    def forward_backward():
+        held = {}
+        for op, m in pipeline_order(case["schedule"], num_micro, pp, s):
+            if op == "F":
+                ids = torch.randint(0, config.vocab_size, (micro, seq), generator=g)
+                if stage.is_first:
+                    x = ids
+                else:  # a received activation: a fresh buffer, as the engine's receive allocates
+                    x = torch.randn(micro, seq, hidden, generator=g).to(dtype).requires_grad_(True)
+                with autocast:
+                    y = stage(x, logits=False)
+                    if stage.is_last:
+                        losses = next_token_losses(y, ids, stage.lm_head, case["chunk"])
+                        y = losses.sum() / target_token_count(ids)
+                held[m] = (x, y)
+            else:
+                x, y = held.pop(m)
+                if stage.is_last:
+                    y.backward()
+                else:
+                    y.backward(torch.randn(y.shape, generator=g).to(y.dtype))  # the next stage's gradient
+                del x, y
+
+    def step(set_to_none: bool):
+        forward_backward()
+        norm = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2 for p in params).sqrt()
+        scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(scale.to(p.grad.dtype))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    start = time.monotonic()
+    step(set_to_none=True)  # creates the optimizer state
+    step(set_to_none=False)  # the outer step (inner_steps=2); the gradients stay allocated, as zeros
+    peak = _status("VmHWM") - baseline
+    static = _status("VmRSS") - baseline  # weights, gradients, optimizer and outer state
+    _reset_peak()
+    forward_backward()  # a third forward and backward: what comes on top of the static memory
+    activations = _status("VmHWM") - baseline - static
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {
+        "peak": peak,
+        "static": static,
+        "activations": activations,
+        "seconds": time.monotonic() - start,
+        "baseline_rss": baseline,
+    }
+
+
+# ------------------------------------------------------------------------------------------------- driver
+
+
+def _available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable")
+
+
+def run_case(case) -> dict:
+    predicted = predict(case)
+    needed = predicted["peak"] * 1.3 + 2 * GIB
+    available = _available()
+    record = {"case": case, "predicted": predicted, "available_before": available}
+    if available < needed:
+        record["skipped"] = f"{available / GIB:.1f} GiB free, {needed / GIB:.1f} GiB needed"
+        return record
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(case)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
+    )
+    if done.returncode != 0:
+        record["error"] = done.stderr[-3000:]
+        return record
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    measured = json.loads(line[len("RESULT ") :])
+    record["measured"] = measured
+    predicted_activations = predicted["activations"] + predicted["backward_extra"]
+    record["peak_error"] = predicted["peak"] / measured["peak"] - 1
+    record["static_error"] = predicted["static"] / measured["static"] - 1
+    record["activations_error"] = predicted_activations / measured["activations"] - 1
+    return record
+
+
+def _show(record) -> str:
+    name = record["case"]["name"]
+    if "measured" not in record:
+        return f"{name}: {record.get('skipped') or 'FAILED ' + record.get('error', '')[-500:]}"
+    m, p = record["measured"], record["predicted"]
+    return (
+        f"{name}: peak {m['peak'] / GIB:.2f} GiB measured, {p['peak'] / GIB:.2f} predicted "
+        f"({record['peak_error']:+.1%}); activations {m['activations'] / GIB:.2f} vs "
+        f"{(p['activations'] + p['backward_extra']) / GIB:.2f} ({record['activations_error']:+.1%}); "
+        f"{m['seconds']:.0f} s"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", nargs="*", help="case names to run (merged into the existing results)")
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(measure(json.loads(args.child))), flush=True)
+        return
+    cases = QUICK_CASES if args.quick else CASES
+    if args.only:
+        cases = [c for c in cases if c["name"] in args.only]
+    results = {}
+    if args.only and os.path.exists(args.out):
+        with open(args.out) as f:
+            results = {r["case"]["name"]: r for r in json.load(f)["cases"]}
+    for case in cases:
+        record = run_case(case)
+        results[case["name"]] = record
+        print(_show(record), flush=True)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        ordered = [results[c["name"]] for c in (QUICK_CASES if args.quick else CASES) if c["name"] in results]
+        import torch
+        import transformers
+
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "tolerance": TOLERANCE,
+                    "cases": ordered,
+                },
+                f,
+                indent=1,
+            )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
