@@ -12,8 +12,8 @@ optimizer state, the second runs the outer step.
 Measured: the process's peak resident memory (VmHWM, reset through /proc/self/clear_refs) above its
 resident memory before the stage is materialised, with glibc's mmap threshold fixed at 128 KiB so that freed
 tensors go back to the system at once (otherwise freed memory lingers in malloc's heap and the resident size
-overstates what is live). Separately, the peak above the static memory (weights, gradients, optimizer and outer
-state) during a third forward and backward: the activations. Each prediction must be within 15% of its
+overstates what is live). Separately, the peak above the static memory (weights, gradients, optimizer and
+outer state) during a third forward and backward: the activations. Each prediction must be within 15% of its
 measurement.
 
 Memory: the machine is shared. Before each case the free memory (MemAvailable) must exceed the predicted peak
@@ -321,7 +321,8 @@ def _show(record) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", nargs="*", help="case names to run (merged into the existing results)")
     parser.add_argument("--out", default=RESULTS)

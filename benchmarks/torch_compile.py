@@ -98,7 +98,8 @@ def measure(name: str, rows: int, seq_len: int, rounds: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
@@ -109,9 +110,10 @@ def main() -> None:
         runs = [measure("hidden192", 8, 256, 12), measure("hidden512", 4, 256, 12)]
     result = {"torch": torch.__version__, "threads": 1, "runs": runs}
     for run in runs:
+        eager, compiled = run["eager_step_s_median"] * 1e3, run["compiled_step_s_median"] * 1e3
         print(
-            f"{run['model']}: compile {run['compile_s']:.1f} s, eager {run['eager_step_s_median'] * 1e3:.0f} ms/step, "
-            f"compiled {run['compiled_step_s_median'] * 1e3:.0f} ms/step, ratio {run['compiled_over_eager_median']:.3f}"
+            f"{run['model']}: compile {run['compile_s']:.1f} s, eager {eager:.0f} ms/step, "
+            f"compiled {compiled:.0f} ms/step, ratio {run['compiled_over_eager_median']:.3f}"
         )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -14,11 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_quick(script: str, output) -> dict:
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--output", str(output)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
         env=dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1"),
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -66,13 +62,7 @@ def test_routing_ablation_quick(tmp_path):
     summary = result["summary"]
     for routing in ("sample", "step"):
         row = summary[routing]
-        assert finite(
-            [
-                row["divergence_ratio_final"],
-                row["divergence_ratio_second_half"],
-                row["perplexity_ratio_final"],
-                row["perplexity_ratio_max"],
-            ]
-        )
+        assert finite([row["divergence_ratio_final"], row["divergence_ratio_second_half"],
+                       row["perplexity_ratio_final"], row["perplexity_ratio_max"]])
         assert 0 < row["divergence_ratio_final"] < 10 and 0 < row["perplexity_ratio_final"] < 10
     assert (tmp_path / "routing_ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
