@@ -180,50 +180,63 @@ def _reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current resident size
 
 
-def measure(case) -> dict:
-    """Runs in a fresh process (see main): trains the stage three steps and returns the peaks."""
-    import torch
-    import torch.distributed as dist
-    from transformers import AutoConfig
+class StageRun:
+    """One stage of ``case`` as its rank trains it, on ``device``: built from the meta device with random
+    weights, fused AdamW, and DiLoCo's outer state and outer step (every second step) for ``outer="diloco"``.
+    Also used by benchmarks/gpu_memory_check.py."""
 
-    from hf_noloco.config import OuterSettings
-    from hf_noloco.local_launch import free_port
-    from hf_noloco.mesh import PipelineMesh
-    from hf_noloco.outer import OuterOptimizer
-    from hf_noloco.partition import build_stage, next_token_losses, target_token_count
-    from hf_noloco.pipeline import pipeline_order
+    def __init__(self, case: dict, device: str = "cpu"):
+        import torch
+        import torch.distributed as dist
+        from transformers import AutoConfig
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(**case["model"])
-    pp, s, micro, seq, num_micro = case["pp"], case["stage"], case["micro"], case["seq"], case["num_micro"]
-    dtype = getattr(torch, case["dtype"])
-    baseline = _status("VmRSS")
-    _reset_peak()
-    stage = build_stage(config, s, pp, dtype=dtype, seed=0, attn_implementation="sdpa")
-    stage.train()
-    if case["ckpt"]:
-        stage.activation_checkpointing_enable()
-    params = list(stage.parameters())
-    inner = torch.optim.AdamW(params, lr=1e-6, fused=True)
-    optimizer = inner
-    if case["outer"] != "local":
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        mesh = PipelineMesh.build(1)
-        optimizer = OuterOptimizer(inner, params, mesh, OuterSettings(case["outer"], inner_steps=2))
-    hidden = config.hidden_size
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case["autocast"])
-    g = torch.Generator().manual_seed(1)
+        from hf_noloco.config import OuterSettings
+        from hf_noloco.local_launch import free_port
+        from hf_noloco.mesh import PipelineMesh
+        from hf_noloco.outer import OuterOptimizer
+        from hf_noloco.partition import build_stage
 
-    def forward_backward():
+        self.case, self.device = case, torch.device(device)
+        self.config = AutoConfig.for_model(**case["model"])
+        self.dtype = getattr(torch, case["dtype"])
+        torch.manual_seed(0)
+        self.stage = build_stage(
+            self.config, case["stage"], case["pp"], device=self.device, dtype=self.dtype, seed=0,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        self.stage.train()
+        if case["ckpt"]:
+            self.stage.activation_checkpointing_enable()
+        self.params = list(self.stage.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-6, fused=True)
+        if case["outer"] != "local":
+            if not dist.is_initialized():
+                address = f"tcp://127.0.0.1:{free_port()}"
+                dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
+            mesh = PipelineMesh.build(1, device=self.device)
+            settings = OuterSettings(case["outer"], inner_steps=2)
+            self.optimizer = OuterOptimizer(self.optimizer, self.params, mesh, settings)
+        self.generator = torch.Generator(device=self.device).manual_seed(1)
+
+    def forward_backward(self) -> int:
+        """One step's forwards and backwards, in the stage's schedule order; returns the tokens processed."""
+        import torch
+
+        from hf_noloco.partition import next_token_losses, target_token_count
+        from hf_noloco.pipeline import pipeline_order
+
+        case, stage, g, dev = self.case, self.stage, self.generator, self.device
+        micro, seq = case["micro"], case["seq"]
+        autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=case["autocast"])
         held = {}
-        for op, m in pipeline_order(case["schedule"], num_micro, pp, s):
+        for op, m in pipeline_order(case["schedule"], case["num_micro"], case["pp"], case["stage"]):
             if op == "F":
-                ids = torch.randint(0, config.vocab_size, (micro, seq), generator=g)
+                ids = torch.randint(0, self.config.vocab_size, (micro, seq), generator=g, device=dev)
                 if stage.is_first:
                     x = ids
                 else:  # a received activation: a fresh buffer, as the engine's receive allocates
-                    x = torch.randn(micro, seq, hidden, generator=g).to(dtype).requires_grad_(True)
+                    x = torch.randn(micro, seq, self.config.hidden_size, generator=g, device=dev)
+                    x = x.to(self.dtype).requires_grad_(True)
                 with autocast:
                     y = stage(x, logits=False)
                     if stage.is_last:
@@ -234,29 +247,54 @@ def measure(case) -> dict:
                 x, y = held.pop(m)
                 if stage.is_last:
                     y.backward()
-                else:
-                    y.backward(torch.randn(y.shape, generator=g).to(y.dtype))  # the next stage's gradient
+                else:  # the next stage's gradient
+                    y.backward(torch.randn(y.shape, generator=g, device=dev).to(y.dtype))
                 del x, y
+        return case["num_micro"] * micro * seq
 
-    def step(set_to_none: bool):
-        forward_backward()
-        norm = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2 for p in params).sqrt()
+    def step(self, set_to_none: bool = True) -> int:
+        """A training step as the trainer runs it: the schedule, clipping by the norm, the optimizer."""
+        import torch
+
+        tokens = self.forward_backward()
+        norm = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2 for p in self.params).sqrt()
         scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
-        for p in params:
+        for p in self.params:
             p.grad.mul_(scale.to(p.grad.dtype))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=set_to_none)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        return tokens
 
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure(case) -> dict:
+    """Runs in a fresh process (see main): trains the stage three steps and returns the peaks."""
+    import torch
+    import torch.distributed
+    import transformers  # noqa: F401
+
+    import hf_noloco.outer
+    import hf_noloco.partition
+    import hf_noloco.pipeline  # noqa: F401
+
+    torch.set_num_threads(1)
+    baseline = _status("VmRSS")
+    _reset_peak()
+    run = StageRun(case)
     start = time.monotonic()
-    step(set_to_none=True)  # creates the optimizer state
-    step(set_to_none=False)  # the outer step (inner_steps=2); the gradients stay allocated, as zeros
+    run.step(set_to_none=True)  # creates the optimizer state
+    run.step(set_to_none=False)  # the outer step (inner_steps=2); the gradients stay allocated, as zeros
     peak = _status("VmHWM") - baseline
     static = _status("VmRSS") - baseline  # weights, gradients, optimizer and outer state
     _reset_peak()
-    forward_backward()  # a third forward and backward: what comes on top of the static memory
+    run.forward_backward()  # a third forward and backward: what comes on top of the static memory
     activations = _status("VmHWM") - baseline - static
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run.close()
     return {
         "peak": peak,
         "static": static,

@@ -144,3 +144,24 @@ def test_memory_benchmark_quick(tmp_path):
     for case in cases:
         measured = case["measured"]
         assert measured["peak"] > 0 and measured["static"] > 0 and case["predicted"]["peak"] > 0
+
+
+def test_gpu_memory_check_runs_on_cpu_in_quick_mode():
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "gpu_memory_check.py"),
+            "--device",
+            "cpu",
+            "--quick",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["tiny-pp1-bf16-ckpt", "tiny-pp2-s1-fp32-outer"]
+    assert all("tokens/s" in line for line in lines)
