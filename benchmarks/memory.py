@@ -257,7 +257,9 @@ class StageRun:
         import torch
 
         tokens = self.forward_backward()
-        norm = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2 for p in self.params).sqrt()
+        from hf_noloco.metrics import squared_norm
+
+        norm = sum(squared_norm(p.grad) for p in self.params).sqrt()  # as the trainer computes it
         scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
         for p in self.params:
             p.grad.mul_(scale.to(p.grad.dtype))

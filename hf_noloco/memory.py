@@ -138,13 +138,16 @@ def _stage_counts(config_json: str, pipeline_stages: int, boundaries: tuple | No
             m.weight.numel() for layer in part.model.layers.values() for m in layer.modules() if _is_linear(m)
         )
         head = part.lm_head.weight.numel() if part.is_last else 0
+        embed = part.model.embed_tokens.weight.numel() if part.is_first else 0
         numels = [p.numel() for p in params]
         stages.append(
             dict(
                 layers=len(part.model.layers),
                 parameters=sum(numels),
                 matrices=matrices,
+                largest=max(numels),
                 head=head,
+                embed=embed,
                 buckets=[
                     sum(numels[j] for j in b)
                     for b in consecutive_buckets([n * 4 for n in numels], 16 * 2**20)
@@ -237,13 +240,22 @@ def estimate_stage_memory(
         layer_backward += tokens * layer_full + copies
     loss_backward = 0
     if last:
-        rows = min(loss_chunk_tokens, tokens) if chunked else tokens
-        extra = 4 if mode != "float32" else 0  # the bf16 logits and their gradient
-        # backward: the gradients of the log-probabilities and of the logits (float32), plus, for a chunk,
-        # the chunk's recomputed logits and log-probabilities
-        loss_backward = rows * s.vocab * (8 + extra + (4 + act if chunked else 0))
-        if mode == "autocast" and chunked:
-            loss_backward += 2 * counts["head"]
+        head_grad_bytes = counts["head"] * wbytes  # lm_head's new gradient, before it is added to .grad
+        if chunked:
+            # the chunked loss's backward: the weight-gradient buffer, and one chunk's logits in the matmul
+            # dtype, their float32 copy turned into their gradient, and its matmul-dtype copy
+            chunk_logits = loss_chunk_tokens * s.vocab
+            loss_backward = head_grad_bytes + chunk_logits * (8 if mode == "float32" else 10)
+            if mode == "autocast":
+                loss_backward += 4 * counts["head"]  # the bf16 copy of lm_head, and a chunk's bf16 gradient
+        else:
+            # log-softmax's backward holds the saved float32 log-probabilities (counted above), their
+            # gradient and the logits' gradient; then lm_head's backward holds the logits' gradient in its
+            # dtype and the weight's new gradient
+            logits = tokens * s.vocab
+            softmax = 8 * logits
+            head = (4 if mode == "float32" else 2) * logits + head_grad_bytes - 4 * logits
+            loss_backward = max(softmax, head)
     bucket = max(counts["buckets"])
     if outer_optimizer == "noloco":
         partners = min(gossip_group_size, num_replicas) - 1
@@ -254,15 +266,24 @@ def estimate_stage_memory(
         outer_step = bucket * grad_bytes * 2
     else:
         outer_step = 0
-    backward_extra = layer_backward + loss_backward
+    # A weight's gradient is computed into a new tensor, then added to .grad (once it exists, from the step's
+    # second microbatch on): for the embeddings (and lm_head, above) that temporary is as large as the matrix.
+    # The embeddings' gradient comes last in the backward, when the layers' temporaries are gone.
+    backward_extra = max(layer_backward + loss_backward, counts["embed"] * wbytes)
     # The Trainer frees the gradients after every step, and the step's first backward allocates them while it
-    # frees one microbatch's activations: the peak is at one end of that backward, or at the outer step.
-    head_grad = counts["head"] * wbytes  # lm_head's gradient exists from the loss's backward on
-    first_backward_starts = activations + backward_extra + head_grad
-    first_backward_ends = activations - per_micro + gradients + layer_backward
-    peak = (
-        weights + optimizer + outer + max(first_backward_starts, first_backward_ends, gradients + outer_step)
-    )
+    # frees one microbatch's activations. Under 1F1B with more microbatches than the stage holds, the next
+    # forward fills the freed place again, now with the gradients allocated; otherwise (GPipe, or no more
+    # forwards) the peak is at one end of that first backward. Or it is at the outer step.
+    if schedule == "1f1b" and micro > held:
+        backward = activations + gradients + backward_extra
+    else:
+        head_grad = counts["head"] * wbytes  # lm_head's gradient exists from the loss's backward on
+        first_backward_starts = activations + backward_extra + head_grad
+        first_backward_ends = activations - per_micro + gradients + layer_backward
+        backward = max(first_backward_starts, first_backward_ends)
+    # After the backward: the column's gradient norm, in float32 a slice of at most 2**24 elements at a time.
+    norm = min(counts["largest"], 2**24) * 4 if wbytes != 4 else 0
+    peak = weights + optimizer + outer + max(backward, gradients + max(outer_step, norm))
     return MemoryEstimate(
         stage,
         counts["layers"],

@@ -32,6 +32,16 @@ def perplexity(loss_sum: float | torch.Tensor, token_count: float | torch.Tensor
     return math.exp(mean) if mean < _MAX_LOG else float("inf")
 
 
+def squared_norm(tensor: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``||tensor||^2`` reduced in ``dtype``, a slice at a time: ``vector_norm(t, dtype=...)`` converts the
+    whole tensor first, a float32 copy of a bf16 gradient (1 GiB for Llama-3's embedding matrix at 1B)."""
+    flat = tensor.detach().reshape(-1)
+    total = torch.zeros((), dtype=dtype, device=tensor.device)
+    for piece in flat.split(_CHUNK_NUMEL):
+        total += torch.linalg.vector_norm(piece, dtype=dtype) ** 2
+    return total
+
+
 def _unique_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
     # named_parameters() drops duplicates (tied weights), so a tied tensor is counted once; a copy of a tied
     # weight that another stage holds too (a stage's `mirrored_names`) is counted there only. Frozen weights

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint as recompute_in_backward
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -251,7 +251,7 @@ class PipelineStage(nn.Module):
             )
         if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
             raise ValueError(f"every_n_layers must be a positive integer, got {every_n_layers!r}.")
-        fn = functools.partial(recompute_in_backward, use_reentrant=False, **kwargs)
+        fn = functools.partial(torch_checkpoint, use_reentrant=False, **kwargs)
         if offload:
             device_type = next(self.parameters()).device.type
             pin = device_type != "cpu"
@@ -328,30 +328,21 @@ def next_token_losses(
     target is ``-100`` contributing 0. Summed and divided by :func:`target_token_count` it is that loss.
 
     ``outputs`` are the logits, or, given ``lm_head``, the final hidden states that ``lm_head`` turns into
-    logits. With ``lm_head`` and ``chunk_tokens``, positions are scored ``chunk_tokens`` at a time and, when
-    gradients are needed, each chunk's logits are recomputed in the backward pass (non-reentrant
-    checkpointing): no more than one chunk's logits ever exist, instead of ``rows * tokens * vocab`` floats
-    (8 GiB in float32 for 4 x 4096 tokens of Llama-3's 128k vocabulary), for one more ``lm_head`` forward.
+    logits. With ``lm_head`` and ``chunk_tokens`` (fewer than the positions), positions are scored
+    ``chunk_tokens`` at a time, in the forward pass and again in the backward pass, which rebuilds each
+    chunk's logits to compute its gradients: at most one chunk's float32 logits exist at any time, instead of
+    ``rows * tokens * vocab`` floats (8 GiB for 4 x 4096 tokens of Llama-3's 128k vocabulary, and the
+    backward of a cross-entropy holds three such tensors), for one more ``lm_head`` matrix multiply.
     """
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     flat_targets = targets.flatten()
     if lm_head is None:
         return _token_cross_entropy(outputs.flatten(0, 1), flat_targets).view(targets.shape)
     hidden = outputs.flatten(0, 1)
-    positions = hidden.shape[0]
-    if not chunk_tokens or chunk_tokens >= positions:
-        return _head_cross_entropy(hidden, flat_targets, lm_head).view(targets.shape)
-    recompute = torch.is_grad_enabled() and (
-        hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
-    )
-    pieces = []
-    for start in range(0, positions, chunk_tokens):
-        chunk = (hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens], lm_head)
-        if recompute:
-            pieces.append(recompute_in_backward(_head_cross_entropy, *chunk, use_reentrant=False))
-        else:
-            pieces.append(_head_cross_entropy(*chunk))
-    return torch.cat(pieces).view(targets.shape)
+    if not chunk_tokens or chunk_tokens >= hidden.shape[0] or getattr(lm_head, "bias", None) is not None:
+        return _token_cross_entropy(lm_head(hidden), flat_targets).view(targets.shape)
+    losses = _ChunkedHeadCrossEntropy.apply(hidden, lm_head.weight, flat_targets, chunk_tokens)
+    return losses.view(targets.shape)
 
 
 def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -359,8 +350,55 @@ def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
-def _head_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-    return _token_cross_entropy(lm_head(hidden), targets)
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """``cross_entropy(hidden @ weight.T)`` per position, ``chunk`` positions at a time in both passes.
+
+    The forward keeps only its inputs. The backward rebuilds a chunk's logits, turns them into their gradient
+    in place (``grad_loss * (softmax - one_hot)``, zero where the target is ``-100``) and adds the chunk's
+    share to the gradients of ``hidden`` and ``weight``; the weight's gradient is accumulated in the weight's
+    dtype, as gradients of microbatches are. Matrix multiplies run in autocast's dtype when autocast is on (as
+    ``lm_head`` would), softmax and loss in float32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        ctx.dtype, ctx.chunk = dtype, chunk
+        ctx.save_for_backward(hidden, weight, targets)
+        losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        w = weight.to(dtype)
+        with torch.autocast(device, enabled=False):
+            for start in range(0, hidden.shape[0], chunk):
+                t = targets[start : start + chunk]
+                logits = (hidden[start : start + chunk].to(dtype) @ w.t()).float()
+                picked = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+                loss = torch.logsumexp(logits, dim=-1).sub_(picked)
+                losses[start : start + chunk] = loss.masked_fill_(t == IGNORE_INDEX, 0.0)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        hidden, weight, targets = ctx.saved_tensors
+        dtype, chunk = ctx.dtype, ctx.chunk
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        w = weight.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk):
+                t = targets[start : start + chunk]
+                h = hidden[start : start + chunk].to(dtype)
+                grad = torch.softmax((h @ w.t()).float(), dim=-1)  # then, in place, d loss / d logits
+                grad.scatter_add_(1, t.clamp(min=0).unsqueeze(1), grad.new_full((len(t), 1), -1.0))
+                scale = grad_losses[start : start + chunk].float().masked_fill(t == IGNORE_INDEX, 0.0)
+                grad = grad.mul_(scale.unsqueeze(1)).to(dtype)
+                if need_hidden:
+                    grad_hidden[start : start + chunk] = grad @ w
+                if need_weight and grad_weight.dtype == dtype:
+                    grad_weight.addmm_(grad.t(), h)
+                elif need_weight:  # autocast: float32 weights, bf16 products
+                    grad_weight.add_(grad.t() @ h)
+        return grad_hidden, grad_weight, None, None
 
 
 def target_token_count(labels: torch.Tensor) -> torch.Tensor:

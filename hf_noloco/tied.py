@@ -22,6 +22,7 @@ import torch
 
 from .comm import exchange, wait_sends
 from .mesh import PipelineMesh
+from .metrics import squared_norm
 
 
 class TiedEmbeddings:
@@ -79,14 +80,10 @@ class TiedEmbeddings:
         if not self.active:
             return
         w = self.weight.detach()
-        rows = w.sum(dim=1, dtype=torch.float64)  # reductions in float64, without a float64 copy of w
-        mine = torch.stack(
-            [
-                rows.sum(),
-                (rows * torch.arange(1, len(rows) + 1, dtype=torch.float64, device=w.device)).sum(),
-                torch.linalg.vector_norm(w, dtype=torch.float64),
-            ]
-        )
+        # reductions in float64, a slice of rows at a time (no float64 copy of the matrix)
+        rows = torch.cat([piece.sum(dim=1, dtype=torch.float64) for piece in w.split(4096)])
+        positions = torch.arange(1, len(rows) + 1, dtype=torch.float64, device=w.device)
+        mine = torch.stack([rows.sum(), (rows * positions).sum(), squared_norm(w, torch.float64)])
         theirs = self._swap(mine, "comparing the copies")
         if not torch.equal(mine, theirs):
             raise RuntimeError(

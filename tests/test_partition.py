@@ -229,11 +229,33 @@ def test_chunked_loss_equals_the_loss_on_full_logits(rows, seq_len, chunk):
     (chunked * weights).sum().backward()
     torch.testing.assert_close(hidden.grad, grads[0], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(head.weight.grad, grads[1], rtol=1e-5, atol=1e-7)
-    with torch.no_grad():  # evaluation: chunks without recomputation
+    with torch.no_grad():  # evaluation: the forward alone
         torch.testing.assert_close(
             next_token_losses(hidden, labels, head, chunk), plain, rtol=1e-6, atol=1e-6
         )
     assert chunked[0, -4:].eq(0).all()  # targets of -100 (and the last position) score 0
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "autocast"])
+def test_chunked_loss_in_bf16_is_the_plain_loss_within_bf16_rounding(precision):
+    torch.manual_seed(1)
+    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+    head = torch.nn.Linear(64, 300, bias=False, dtype=dtype)
+    hidden = torch.randn(2, 40, 64, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 300, (2, 40))
+    results = []
+    for chunk in (None, 16):
+        hidden.grad, head.weight.grad = None, None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+            losses = next_token_losses(hidden, labels, head, chunk)
+        assert losses.dtype == torch.float32
+        losses.sum().backward()
+        results.append((losses.detach(), hidden.grad.clone(), head.weight.grad.clone()))
+    (plain, *plain_grads), (chunked, *chunked_grads) = results
+    torch.testing.assert_close(chunked, plain, rtol=1e-3, atol=1e-3)
+    for a, b in zip(chunked_grads, plain_grads):
+        assert a.dtype == b.dtype == dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=1e-2)
 
 
 def _stage_grads(stage, batch, **checkpointing):
