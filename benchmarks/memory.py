@@ -137,6 +137,54 @@ QUICK_CASES = [
 ]
 
 
+# The published shapes of the models in the README's table.
+LLAMA_32_3B = dict(
+    LLAMA_32_1B, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+    head_dim=128,
+)  # fmt: skip
+LLAMA_31_8B = dict(LLAMA_31_8B_4L, num_hidden_layers=32)
+LLAMA_31_70B = dict(
+    LLAMA_31_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64
+)
+TABLE_MODELS = {"1B": LLAMA_32_1B, "3B": LLAMA_32_3B, "8B": LLAMA_31_8B, "70B": LLAMA_31_70B}
+TABLE_GPUS_GB = (24, 40, 80, 141)
+TABLE_HEADROOM = 0.9  # of the card's memory: the CUDA context, allocator caching and fragmentation
+TABLE_OPTIONS = dict(
+    microbatch_size=1, seq_len=4096, dtype="bfloat16", activation_checkpointing=True, loss_chunk_tokens=1024
+)
+
+
+def fit_table(offload: bool) -> dict:
+    """For each model and card: the fewest stages whose every stage fits (bf16 weights, activation
+    checkpointing, chunked loss, sequences of 4096, microbatch 1 and 2 x stages microbatches, NoLoCo with
+    pairs), and that stage's predicted peak."""
+    from transformers import AutoConfig
+
+    from hf_noloco.memory import estimate_peak_memory
+
+    table = {}
+    for name, model in TABLE_MODELS.items():
+        config = AutoConfig.for_model(**model)
+        peaks = {}
+        for pp in range(1, config.num_hidden_layers + 1):
+            peaks[pp] = estimate_peak_memory(config, pp, offload_outer_state=offload, **TABLE_OPTIONS).peak
+        row = {}
+        for gb in TABLE_GPUS_GB:
+            fits = [pp for pp, peak in peaks.items() if peak <= gb * 1e9 * TABLE_HEADROOM]
+            row[gb] = {"pp": fits[0], "peak": peaks[fits[0]]} if fits else None
+        table[name] = row
+    return table
+
+
+def table_markdown(table: dict) -> str:
+    lines = ["| model | " + " | ".join(f"{gb} GB" for gb in TABLE_GPUS_GB) + " |"]
+    lines.append("|---" * (len(TABLE_GPUS_GB) + 1) + "|")
+    for name, row in table.items():
+        cells = [f"pp={c['pp']} ({c['peak'] / 1e9:.0f} GB)" if c else "does not fit" for c in row.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------- prediction
 
 
@@ -366,10 +414,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", nargs="*", help="case names to run (merged into the existing results)")
     parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--table", action="store_true", help="only print the README's table of what fits")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(measure(json.loads(args.child))), flush=True)
+        return
+    if args.table:
+        for offload in (False, True):
+            print(f"outer state {'offloaded to the CPU' if offload else 'on the GPU'}:")
+            print(table_markdown(fit_table(offload)))
         return
     cases = QUICK_CASES if args.quick else CASES
     if args.only:
