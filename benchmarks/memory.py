@@ -115,6 +115,9 @@ CASES = [
     _case("1b-s1-bf16", LLAMA_32_1B, 8, 1, dtype="bfloat16"),
     _case("1b-s1-bf16-ckpt", LLAMA_32_1B, 8, 1, dtype="bfloat16", ckpt=True),
     _case("1b-s1-bf16-outer", LLAMA_32_1B, 8, 1, dtype="bfloat16", outer="diloco"),
+    # 4 layers over 4 stages: activation checkpointing with more layers per stage
+    _case("1b-pp4-s1-bf16", LLAMA_32_1B, 4, 1, dtype="bfloat16", seq=2048),
+    _case("1b-pp4-s1-bf16-ckpt", LLAMA_32_1B, 4, 1, dtype="bfloat16", seq=2048, ckpt=True),
     # held microbatches: stage 6 of 8 holds 2 of 4 under 1F1B, all 4 under GPipe
     _case("1b-s6-bf16-1f1b", LLAMA_32_1B, 8, 6, dtype="bfloat16", num_micro=4, seq=2048),
     _case("1b-s6-bf16-gpipe", LLAMA_32_1B, 8, 6, dtype="bfloat16", num_micro=4, seq=2048, schedule="gpipe"),

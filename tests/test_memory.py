@@ -118,14 +118,20 @@ def test_committed_measurements_agree_with_the_model():
             <= 0.15
         ), name
     # Activation checkpointing: the activations fall by the predicted factor.
-    for pair in [("1b-s1-fp32", "1b-s1-fp32-ckpt"), ("8b-s1-bf16-seq4096", "8b-s1-bf16-seq4096-ckpt")]:
+    pairs = [
+        ("1b-s1-fp32", "1b-s1-fp32-ckpt"),
+        ("1b-pp4-s1-bf16", "1b-pp4-s1-bf16-ckpt"),
+        ("8b-s1-bf16-seq4096", "8b-s1-bf16-seq4096-ckpt"),
+    ]
+    for pair in pairs:
         plain, ckpt = (by_name[n] for n in pair)
         measured = plain["measured"]["activations"] / ckpt["measured"]["activations"]
         predicted = [bench.predict(by_name[n]["case"]) for n in pair]
         factor = (predicted[0]["activations"] + predicted[0]["backward_extra"]) / (
             predicted[1]["activations"] + predicted[1]["backward_extra"]
         )
-        assert measured > 2 and abs(measured / factor - 1) <= 0.15, (pair, measured, factor)
+        # (a one-layer stage rebuilds as much as it saved: its factor is the smallest)
+        assert measured > 1.5 and abs(measured / factor - 1) <= 0.15, (pair, measured, factor)
 
 
 def test_memory_benchmark_quick(tmp_path):
