@@ -1,13 +1,14 @@
-"""Shared by the convergence and routing-ablation benchmarks: the corpus (BPE tokenizer trained once, cached),
-one NoLoCoTrainer run on local gloo processes, and the record of its curves.
+"""Shared by the benchmarks that train: the corpus (BPE tokenizer trained once, cached), one NoLoCoTrainer run
+on local gloo processes, and the curves of its log history.
 
-A run is described by a plain dict (``spec``): the model config, the mesh (dp, pp), the outer method, routing,
-seed and the training schedule. :func:`train_run` forks ``dp * pp`` processes (one thread each, fork start,
-so the packed datasets are shared, not pickled), trains, and returns rank 0's curves:
+A run is described by a plain dict (``spec``): the model config, the mesh (dp, pp), the outer method and its
+hyperparameters, routing, seed and the training schedule. :func:`train_run` forks ``dp * pp`` processes (one
+thread each, fork start, so the packed datasets are shared, not pickled), trains, and returns rank 0's raw
+Trainer log history and the training wall time; :func:`curves` turns a log history into lists:
 
     {"steps": [...], "tokens": [...], "eval_perplexity": [...],         # every eval_steps, step 0 included
      "log_steps": [...], "loss": [...], "replica_divergence": [...],    # every logging step
-     "replica_divergence_stages": {stage: [...]}, "final_perplexity": float, "wall_s": float}
+     "replica_divergence_stages": {stage: [...]}, "final_perplexity": float}
 """
 
 from __future__ import annotations
@@ -98,7 +99,11 @@ def _train_worker(spec: dict, train, eval_, out_dir: str):
     from hf_noloco.trainer import NoLoCoTrainer
 
     steps = spec["max_steps"]
-    outer = {} if spec["method"] in ("ddp", "local") else {"inner_steps": spec["inner_steps"]}
+    outer = {}
+    if spec["method"] in ("noloco", "diloco"):  # None: the paper's default for the method
+        outer = {k: spec.get(k) for k in ("inner_steps", "outer_lr", "outer_momentum")}
+    if spec["method"] == "noloco":
+        outer.update(outer_averaging=spec.get("outer_averaging"), gossip_group_size=spec.get("gossip_group_size", 2))
     args = NoLoCoConfig(
         output_dir=out_dir, pipeline_stages=spec["pp"], outer_optimizer=spec["method"], routing=spec["routing"],
         per_device_train_batch_size=spec["global_batch"] // spec["dp"], microbatch_size=spec["microbatch_size"],
@@ -141,15 +146,21 @@ def curves(history: list[dict], tokens_per_step: int, num_stages: int) -> dict:
     }
 
 
-def train_run(spec: dict, train, eval_) -> dict:
-    """Trains ``spec`` on ``dp * pp`` forked gloo processes and returns its curves (see the module doc)."""
+def train_history(spec: dict, train, eval_) -> tuple[list[dict], float]:
+    """Trains ``spec`` on ``dp * pp`` forked gloo processes; returns rank 0's Trainer log history (the raw log:
+    one dict per logging step and per evaluation) and the training wall time in seconds."""
     from hf_noloco.local_launch import run_distributed
 
     os.environ.setdefault("WANDB_MODE", "disabled")
     world = spec["dp"] * spec["pp"]
     with tempfile.TemporaryDirectory() as out_dir:
         results = run_distributed(_train_worker, world, spec, train, eval_, out_dir, timeout_s=600)
-    history, wall = results[0]
+    return results[0]
+
+
+def train_run(spec: dict, train, eval_) -> dict:
+    """Trains ``spec`` (see :func:`train_history`) and returns its curves (see the module doc) and ``wall_s``."""
+    history, wall = train_history(spec, train, eval_)
     record = curves(history, spec["global_batch"] * spec["block_size"], spec["pp"])
     record["wall_s"] = wall
     return record
