@@ -1,12 +1,12 @@
 """The report of a study (see ``_study.py``): per-arm statistics over seeds, paired comparisons with 95%
-intervals, the routing ablation, markdown tables and plots with error bands. Everything here reads finished runs;
-nothing trains.
+intervals, the routing ablation, markdown tables and plots with error bands. Everything here reads finished
+runs; nothing trains.
 
 Per run, the curves come from its raw Trainer log history (``_common.curves``). Final perplexity is the pooled
-validation perplexity at the last step (right after an outer step of every arm, as ``max_steps`` is a multiple of
-every H). Replica divergence is the official RMS distance of the replicas' weights from their mean, logged every
-``log_every`` steps; "between syncs" are the logged steps that are not a multiple of the arm's H, "after sync" the
-others (DiLoCo's replicas are then identical; NoLoCo's only within each pair).
+validation perplexity at the last step (right after an outer step of every arm, as ``max_steps`` is a multiple
+of every H). Replica divergence is the official RMS distance of the replicas' weights from their mean, logged
+every ``log_every`` steps; "between syncs" are the logged steps that are not a multiple of the arm's H, "after
+sync" the others (DiLoCo's replicas are then identical; NoLoCo's only within each pair).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def meshes_of(runs: list[dict]) -> list[str]:
 
 
 def divergence_split(c: dict, H: int | None) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """(between syncs, after sync): (step, divergence) of the logged steps; every step is "between" without H."""
+    """(between syncs, after sync): (step, divergence) of the logged steps; all "between" without H."""
     pairs = list(zip(c["log_steps"], c["replica_divergence"]))
     if not H:
         return pairs, []
@@ -66,7 +66,7 @@ def paired(a: dict, b: dict, value) -> dict | None:
 
 
 def product(idx: dict, mesh: str, arms) -> dict | None:
-    """{seed: {"final_perplexity": product over ``arms``}} for the seeds every arm has (an arm name: itself)."""
+    """{seed: {"final_perplexity": product over ``arms``}} for the seeds every arm has (a name: itself)."""
     names = [arms] if isinstance(arms, str) else list(arms)
     have = [idx.get((mesh, a)) for a in names]
     if any(h is None for h in have):
@@ -97,8 +97,12 @@ def arm_rows(study: dict, idx: dict, meshes: list[str], last_step: int) -> dict:
             between = [late_mean(divergence_split(by_seed[s], arm["H"])[0], last_step) for s in seeds]
             after = [late_mean(divergence_split(by_seed[s], arm["H"])[1], last_step) for s in seeds]
             row = {
-                "seeds": seeds, "final_perplexity": finals, "mean": stats.mean(finals), "std": stats.std(finals),
-                "divergence_between_syncs": stats.mean(between), "divergence_between_syncs_std": stats.std(between),
+                "seeds": seeds,
+                "final_perplexity": finals,
+                "mean": stats.mean(finals),
+                "std": stats.std(finals),
+                "divergence_between_syncs": stats.mean(between),
+                "divergence_between_syncs_std": stats.std(between),
                 "divergence_after_sync": stats.mean(after) if arm["H"] else None,
                 "wall_s": stats.mean([by_seed[s]["wall_s"] for s in seeds]),
             }
@@ -112,8 +116,13 @@ def arm_rows(study: dict, idx: dict, meshes: list[str], last_step: int) -> dict:
 def comparison_rows(study: dict, idx: dict, meshes: list[str]) -> list[dict]:
     out = []
     for c in study["comparisons"]:
-        row = {"name": c["name"], "arm": c["arm"], "ref": c["ref"], "measures": c.get("measures", ""),
-               "by_mesh": {}}
+        row = {
+            "name": c["name"],
+            "arm": c["arm"],
+            "ref": c["ref"],
+            "measures": c.get("measures", ""),
+            "by_mesh": {},
+        }
         for mesh in meshes:
             a, b = product(idx, mesh, c["arm"]), product(idx, mesh, c["ref"])
             if a and b:
@@ -135,37 +144,50 @@ def routing_rows(study: dict, idx: dict, last_step: int) -> dict:
         base = idx.get((mesh, spec["baseline"]))
         if not base:
             continue
-        rows = {spec["baseline"]: {"final_perplexity": [final(base[s]) for s in sorted(base)],
-                                   "final_std": [base[s]["replica_divergence"][-1] for s in sorted(base)]}}
+        rows = {
+            spec["baseline"]: {
+                "final_perplexity": [final(base[s]) for s in sorted(base)],
+                "final_std": [base[s]["replica_divergence"][-1] for s in sorted(base)],
+            }
+        }
         for arm in spec["arms"]:
             mine = idx.get((mesh, arm))
             if not mine:
                 continue
-
-            def at(step):
-                return lambda c: dict(zip(c["log_steps"], c["replica_divergence"]))[step]
-
-            def second_half_ratio(seed):
-                steps = [s for s in base[seed]["log_steps"] if s >= last_step / 2]
-                return stats.mean([math.log(at(s)(mine[seed]) / at(s)(base[seed])) for s in steps])
-
             seeds = sorted(set(mine) & set(base))
-            logs = [second_half_ratio(s) for s in seeds]
+            logs = [_mean_log_ratio_after(mine[s], base[s], last_step / 2) for s in seeds]
             m, low, high = stats.interval(logs)
             rows[arm] = {
                 "final_perplexity": [final(mine[s]) for s in seeds],
                 "final_std": [mine[s]["replica_divergence"][-1] for s in seeds],
                 "std_ratio_final": paired(mine, base, lambda c: c["replica_divergence"][-1]),
-                "std_ratio_second_half": {"seeds": seeds, "per_seed": [math.exp(x) for x in logs],
-                                          "ratio": math.exp(m), "low": math.exp(low), "high": math.exp(high),
-                                          "pct": 100 * (math.exp(m) - 1), "pct_low": 100 * (math.exp(low) - 1),
-                                          "pct_high": 100 * (math.exp(high) - 1)},
-                "std_ratio_by_quarter": {str(q): paired(mine, base, at(_logged(base, q * last_step)))
-                                         for q in QUARTERS},
+                "std_ratio_second_half": {
+                    "seeds": seeds,
+                    "per_seed": [math.exp(x) for x in logs],
+                    "ratio": math.exp(m),
+                    "low": math.exp(low),
+                    "high": math.exp(high),
+                    "pct": 100 * (math.exp(m) - 1),
+                    "pct_low": 100 * (math.exp(low) - 1),
+                    "pct_high": 100 * (math.exp(high) - 1),
+                },
+                "std_ratio_by_quarter": {
+                    str(q): paired(mine, base, _divergence_at(_logged(base, q * last_step))) for q in QUARTERS
+                },
                 "perplexity_ratio_final": paired(mine, base, final),
             }
         out[mesh] = rows
     return out
+
+
+def _divergence_at(step: int):
+    return lambda c: c["replica_divergence"][c["log_steps"].index(step)]
+
+
+def _mean_log_ratio_after(a: dict, b: dict, first_step: float) -> float:
+    """Mean over the logged steps from ``first_step`` on of log(divergence of a / divergence of b)."""
+    steps = [s for s in b["log_steps"] if s >= first_step]
+    return stats.mean([math.log(_divergence_at(s)(a) / _divergence_at(s)(b)) for s in steps])
 
 
 def _logged(by_seed: dict, step: float) -> int:
@@ -179,8 +201,10 @@ def summarize(study: dict, settings: dict, runs: list[dict]) -> dict:
         if run["arm"] in study["arms"]:
             mine = {k: study["arms"][run["arm"]][k] for k in run["arm_settings"]}
             if mine != run["arm_settings"]:
-                raise ValueError(f"run {run['mesh']} {run['arm']} seed {run['seed']} was made with "
-                                 f"{run['arm_settings']}; the study file now says {mine}")
+                raise ValueError(
+                    f"run {run['mesh']} {run['arm']} seed {run['seed']} was made with "
+                    f"{run['arm_settings']}; the study file now says {mine}"
+                )
     idx = index(runs, settings)
     meshes = meshes_of(runs)
     last_step = settings["train"]["max_steps"]
@@ -217,10 +241,15 @@ def markdown(study: dict, summary: dict) -> str:
     """The tables of RESULTS.md, from the summary."""
     lines = []
     ref = study.get("reference")
-    lines.append(f"#### Final validation perplexity per arm (mean +- std over seeds; paired vs `{ref}` with 95% "
-                 "interval)\n")
-    lines.append("| mesh | arm | H | alpha | final ppl | per seed | vs " + f"`{ref}`" +
-                 " | divergence between syncs | after sync | train s |")
+    lines.append(
+        f"#### Final validation perplexity per arm (mean +- std over seeds; paired vs `{ref}` with 95% "
+        "interval)\n"
+    )
+    lines.append(
+        "| mesh | arm | H | alpha | final ppl | per seed | vs "
+        + f"`{ref}`"
+        + " | divergence between syncs | after sync | train s |"
+    )
     lines.append("|---|---|---:|---:|---:|---|---|---:|---:|---:|")
     for mesh, rows in summary["arms"].items():
         for name, row in rows.items():
@@ -230,13 +259,17 @@ def markdown(study: dict, summary: dict) -> str:
             seeds = ", ".join(f"{p:.1f}" for p in row["final_perplexity"])
             vs = "1" if name == ref else fmt_pct(row.get("vs_reference"))
             after = row["divergence_after_sync"]
+            alpha = "-" if arm["alpha"] is None else arm["alpha"]
             lines.append(
-                f"| {mesh_label(mesh)} | `{name}` | {arm['H'] or '-'} | {arm['alpha'] if arm['alpha'] is not None else '-'} "
+                f"| {mesh_label(mesh)} | `{name}` | {arm['H'] or '-'} | {alpha} "
                 f"| {row['mean']:.1f} +- {row['std']:.1f} | {seeds} | {vs} | "
                 f"{row['divergence_between_syncs']:.2e} | {'-' if after is None else f'{after:.1e}'} | "
-                f"{row['wall_s']:.0f} |")
+                f"{row['wall_s']:.0f} |"
+            )
     lines.append("")
-    lines.append("#### Paired comparisons of final validation perplexity (ratio - 1, mean over seeds, 95% interval)\n")
+    lines.append(
+        "#### Paired comparisons of final validation perplexity (ratio - 1, mean over seeds, 95% interval)\n"
+    )
     meshes = [m for m in summary["meshes"] if any(m in c["by_mesh"] for c in summary["comparisons"])]
     lines.append("| comparison | measures | " + " | ".join(mesh_label(m) for m in meshes) + " |")
     lines.append("|---|---|" + "---|" * len(meshes))
@@ -246,10 +279,14 @@ def markdown(study: dict, summary: dict) -> str:
     if summary["routing"]:
         base = study["routing"]["baseline"]
         lines.append("")
-        lines.append(f"#### Routing ablation: outer sync off, random routing against `{base}` (paired ratios, 95% "
-                     "interval)\n")
-        lines.append("| mesh | routing arm | final ppl | final replica std | std ratio, final | std ratio, 2nd half "
-                     "| ppl ratio, final |")
+        lines.append(
+            f"#### Routing ablation: outer sync off, random routing against `{base}` (paired ratios, 95% "
+            "interval)\n"
+        )
+        lines.append(
+            "| mesh | routing arm | final ppl | final replica std | std ratio, final | std ratio, 2nd half "
+            "| ppl ratio, final |"
+        )
         lines.append("|---|---|---:|---:|---|---|---|")
         for mesh, rows in summary["routing"].items():
             for name, row in rows.items():
@@ -259,12 +296,18 @@ def markdown(study: dict, summary: dict) -> str:
                 if name == base:
                     lines.append(f"| {mesh_label(mesh)} | `{name}` | {ppl_s} | {std_s} | 1 | 1 | 1 |")
                 else:
-                    lines.append(f"| {mesh_label(mesh)} | `{name}` | {ppl_s} | {std_s} | "
-                                 f"{fmt_ratio(row['std_ratio_final'])} | {fmt_ratio(row['std_ratio_second_half'])} | "
-                                 f"{fmt_ratio(row['perplexity_ratio_final'])} |")
+                    lines.append(
+                        f"| {mesh_label(mesh)} | `{name}` | {ppl_s} | {std_s} | "
+                        f"{fmt_ratio(row['std_ratio_final'])} | {fmt_ratio(row['std_ratio_second_half'])} | "
+                        f"{fmt_ratio(row['perplexity_ratio_final'])} |"
+                    )
         lines.append("")
-        lines.append("#### Routing ablation: replica-std ratio against fixed routing over training (95% interval)\n")
-        lines.append("| mesh | routing arm | " + " | ".join(f"{int(q * 100)}% of training" for q in QUARTERS) + " |")
+        lines.append(
+            "#### Routing ablation: replica-std ratio against fixed routing over training (95% interval)\n"
+        )
+        lines.append(
+            "| mesh | routing arm | " + " | ".join(f"{int(q * 100)}% of training" for q in QUARTERS) + " |"
+        )
         lines.append("|---|---|" + "---|" * len(QUARTERS))
         for mesh, rows in summary["routing"].items():
             for name, row in rows.items():
@@ -289,8 +332,14 @@ def _band(ax, x, series, label, style, kind="std"):
     (line,) = ax.plot(x, m, label=label, **style)
     if len(series) > 1:
         s = [stats.std(list(c)) for c in columns]
-        ax.fill_between(x, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)], color=line.get_color(),
-                        alpha=0.15, linewidth=0)
+        ax.fill_between(
+            x,
+            [a - b for a, b in zip(m, s)],
+            [a + b for a, b in zip(m, s)],
+            color=line.get_color(),
+            alpha=0.15,
+            linewidth=0,
+        )
 
 
 def _ratio_band(ax, x, a_series, b_series, label, style):
@@ -314,17 +363,27 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
 
     idx = index(runs, settings)
     params = summary.get("parameters")
-    title = (f"{settings['study']}: {params / 1e6:.2f}M-param Llama, " if params else f"{settings['study']}: ") + \
-        f"{settings['train']['max_steps']} steps x {settings['train']['global_batch'] * settings['data']['block_size']} tokens"
+    train = settings["train"]
+    tokens = train["global_batch"] * settings["data"]["block_size"]
+    title = (
+        f"{settings['study']}: {params / 1e6:.2f}M-param Llama, " if params else f"{settings['study']}: "
+    ) + f"{train['max_steps']} steps x {tokens} tokens"
     ref = study.get("reference")
     paths = []
-    factorial_meshes = [m for m in summary["meshes"]
-                        if any(study["arms"][a]["routing"] == "sample" and study["arms"][a]["method"] != "local"
-                               for a in summary["arms"][m])]
+    factorial_meshes = [
+        m
+        for m in summary["meshes"]
+        if any(
+            study["arms"][a]["routing"] == "sample" and study["arms"][a]["method"] != "local"
+            for a in summary["arms"][m]
+        )
+    ]
 
     # 1. Perplexity (mean +- std over seeds) and the paired ratio to the reference arm (95% interval).
     if factorial_meshes:
-        fig, axes = plt.subplots(len(factorial_meshes), 2, figsize=(11, 3.4 * len(factorial_meshes)), squeeze=False)
+        fig, axes = plt.subplots(
+            len(factorial_meshes), 2, figsize=(11, 3.4 * len(factorial_meshes)), squeeze=False
+        )
         for (ax, ax_r), mesh in zip(axes, factorial_meshes):
             finals = []
             for name, arm in study["arms"].items():
@@ -337,14 +396,27 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
                 finals += [final(by_seed[s]) for s in seeds]
                 if ref and name != ref and (mesh, ref) in idx:
                     common = sorted(set(by_seed) & set(idx[(mesh, ref)]))
-                    _ratio_band(ax_r, x[1:], [by_seed[s]["eval_perplexity"][1:] for s in common],
-                                [idx[(mesh, ref)][s]["eval_perplexity"][1:] for s in common], name, _style(arm))
-            ax.set(title=f"{mesh_label(mesh)}: validation perplexity (mean +- std)", yscale="log",
-                   xlabel="training tokens (millions)", ylabel="perplexity")
+                    _ratio_band(
+                        ax_r,
+                        x[1:],
+                        [by_seed[s]["eval_perplexity"][1:] for s in common],
+                        [idx[(mesh, ref)][s]["eval_perplexity"][1:] for s in common],
+                        name,
+                        _style(arm),
+                    )
+            ax.set(
+                title=f"{mesh_label(mesh)}: validation perplexity (mean +- std)",
+                yscale="log",
+                xlabel="training tokens (millions)",
+                ylabel="perplexity",
+            )
             ax.set_ylim(min(finals) * 0.9, max(finals) * 3)
             ax_r.axhline(1.0, color="tab:blue", linewidth=0.8)
-            ax_r.set(title=f"{mesh_label(mesh)}: paired ratio to {ref} (95% interval)",
-                     xlabel="training tokens (millions)", ylabel="perplexity ratio")
+            ax_r.set(
+                title=f"{mesh_label(mesh)}: paired ratio to {ref} (95% interval)",
+                xlabel="training tokens (millions)",
+                ylabel="perplexity ratio",
+            )
             for a in (ax, ax_r):
                 a.grid(alpha=0.3, which="both")
                 a.legend(fontsize=7)
@@ -363,17 +435,35 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
             for k, mesh in enumerate(reversed(factorial_meshes)):
                 r = c["by_mesh"].get(mesh)
                 if r:
-                    err = [[r["pct"] - r["pct_low"]], [r["pct_high"] - r["pct"]]] if not math.isnan(r["pct_low"]) else None
-                    ax.errorbar([r["pct"]], [y], xerr=err, fmt=markers[k % 4], color=f"C{k}", capsize=3,
-                                label=mesh_label(mesh) if c is comparisons[-1] else None)
-                    ax.plot([100 * (v - 1) for v in r["per_seed"]], [y] * len(r["per_seed"]), "x", color=f"C{k}",
-                            alpha=0.4)
+                    err = (
+                        [[r["pct"] - r["pct_low"]], [r["pct_high"] - r["pct"]]]
+                        if not math.isnan(r["pct_low"])
+                        else None
+                    )
+                    ax.errorbar(
+                        [r["pct"]],
+                        [y],
+                        xerr=err,
+                        fmt=markers[k % 4],
+                        color=f"C{k}",
+                        capsize=3,
+                        label=mesh_label(mesh) if c is comparisons[-1] else None,
+                    )
+                    ax.plot(
+                        [100 * (v - 1) for v in r["per_seed"]],
+                        [y] * len(r["per_seed"]),
+                        "x",
+                        color=f"C{k}",
+                        alpha=0.4,
+                    )
                 y += 1
             labels.append((y - len(factorial_meshes) / 2 - 0.5, c["name"]))
             y += 0.6
         ax.axvline(0, color="black", linewidth=0.8)
         ax.set_yticks([p for p, _ in labels], [n for _, n in labels], fontsize=8)
-        ax.set_xlabel("final validation perplexity, paired ratio - 1 (%): mean over seeds, 95% interval, x = seeds")
+        ax.set_xlabel(
+            "final validation perplexity, paired ratio - 1 (%): mean over seeds, 95% interval, x = seeds"
+        )
         ax.grid(alpha=0.3, axis="x")
         ax.legend(fontsize=8)
         ax.set_title(title, fontsize=10)
@@ -384,7 +474,9 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
 
     # 3. Replica divergence between syncs (mean +- std).
     if factorial_meshes:
-        fig, axes = plt.subplots(1, len(factorial_meshes), figsize=(4.6 * len(factorial_meshes), 3.6), squeeze=False)
+        fig, axes = plt.subplots(
+            1, len(factorial_meshes), figsize=(4.6 * len(factorial_meshes), 3.6), squeeze=False
+        )
         for ax, mesh in zip(axes[0], factorial_meshes):
             for name, arm in study["arms"].items():
                 by_seed = idx.get((mesh, name))
@@ -393,12 +485,17 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
                 seeds = sorted(by_seed)
                 pairs = [divergence_split(by_seed[s], arm["H"])[0] for s in seeds]
                 _band(ax, [p[0] for p in pairs[0]], [[d for _, d in p] for p in pairs], name, _style(arm))
-            ax.set(title=f"{mesh_label(mesh)}", yscale="log", xlabel="step",
-                   ylabel="replica divergence between syncs")
+            ax.set(
+                title=f"{mesh_label(mesh)}",
+                yscale="log",
+                xlabel="step",
+                ylabel="replica divergence between syncs",
+            )
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
-        fig.suptitle(f"{title}: replica divergence at logged steps that are not a multiple of H (ddp: 0)",
-                     fontsize=10)
+        fig.suptitle(
+            f"{title}: replica divergence at logged steps that are not a multiple of H (ddp: 0)", fontsize=10
+        )
         fig.tight_layout()
         paths.append(f"{stem}_divergence.png")
         fig.savefig(paths[-1], dpi=100)
@@ -417,19 +514,38 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
                     continue
                 arm, seeds = study["arms"][name], sorted(by_seed)
                 label = f"{name} ({arm['routing']})"
-                _band(row[0], by_seed[seeds[0]]["log_steps"], [by_seed[s]["replica_divergence"] for s in seeds],
-                      label, _style(arm))
+                _band(
+                    row[0],
+                    by_seed[seeds[0]]["log_steps"],
+                    [by_seed[s]["replica_divergence"] for s in seeds],
+                    label,
+                    _style(arm),
+                )
                 if name == spec["baseline"]:
                     continue
                 common = sorted(set(by_seed) & set(base))
                 keep = [i for i, v in enumerate(base[common[0]]["replica_divergence"]) if v > 0]
                 steps = [base[common[0]]["log_steps"][i] for i in keep]
-                _ratio_band(row[1], steps, [[by_seed[s]["replica_divergence"][i] for i in keep] for s in common],
-                            [[base[s]["replica_divergence"][i] for i in keep] for s in common], label, _style(arm))
-                _ratio_band(row[2], base[common[0]]["steps"][1:], [by_seed[s]["eval_perplexity"][1:] for s in common],
-                            [base[s]["eval_perplexity"][1:] for s in common], label, _style(arm))
-            row[0].set(title=f"{mesh_label(mesh)}: replica-weight std, no outer sync (mean +- std)",
-                       ylabel="RMS replica divergence")
+                _ratio_band(
+                    row[1],
+                    steps,
+                    [[by_seed[s]["replica_divergence"][i] for i in keep] for s in common],
+                    [[base[s]["replica_divergence"][i] for i in keep] for s in common],
+                    label,
+                    _style(arm),
+                )
+                _ratio_band(
+                    row[2],
+                    base[common[0]]["steps"][1:],
+                    [by_seed[s]["eval_perplexity"][1:] for s in common],
+                    [base[s]["eval_perplexity"][1:] for s in common],
+                    label,
+                    _style(arm),
+                )
+            row[0].set(
+                title=f"{mesh_label(mesh)}: replica-weight std, no outer sync (mean +- std)",
+                ylabel="RMS replica divergence",
+            )
             row[1].set(title="std ratio to fixed routing (95% interval)", ylabel="ratio")
             row[2].set(title="validation perplexity ratio to fixed routing (95% interval)", ylabel="ratio")
             for ax in row:

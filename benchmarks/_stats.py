@@ -39,7 +39,8 @@ def t_cdf(x: float, df: int) -> float:
     a = abs(x)
     if a == 0:
         return 0.5
-    # The density is smooth and unimodal: 2000 Simpson panels on [0, |x|] (|x| <= ~100 here) are exact to ~1e-12.
+    # The density is smooth and unimodal: 2000 Simpson panels on [0, |x|] (|x| <= ~100 here) are exact to
+    # ~1e-12.
     n = 2000
     h = a / n
     total = _t_density(0.0, df) + _t_density(a, df)
@@ -49,7 +50,7 @@ def t_cdf(x: float, df: int) -> float:
     return 0.5 + half if x > 0 else 0.5 - half
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def t_quantile(p: float, df: int) -> float:
     """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on :func:`t_cdf`)."""
     if not 0 < p < 1:

@@ -10,8 +10,9 @@ A study file (YAML) holds::
                                        log_every, eval_every
     arms                               name -> {method, H, alpha, beta, gamma, group, routing}
     reference                          the arm the per-arm table compares against (paired, per seed)
-    comparisons                        [{name, arm, ref, measures}]: paired ratios of final perplexity; arm and
-                                       ref may be lists (their product: [a, d] / [b, c] is an interaction)
+    comparisons                        [{name, arm, ref, measures}]: paired ratios of final perplexity;
+                                       arm and ref may be lists (their product: [a, d] / [b, c] is an
+                                       interaction)
     routing                            {baseline, arms, meshes}: the routing ablation's comparisons
     parts                              name -> [{mesh: "4x1", seeds: [...], arms: [...]}, ...]
 
@@ -34,9 +35,15 @@ import os
 import time
 
 import yaml
+from _common import train_history
 
-OUTER_KEYS = {"H": "inner_steps", "alpha": "outer_momentum", "beta": "outer_lr", "gamma": "outer_averaging",
-              "group": "gossip_group_size"}
+OUTER_KEYS = {
+    "H": "inner_steps",
+    "alpha": "outer_momentum",
+    "beta": "outer_lr",
+    "gamma": "outer_averaging",
+    "group": "gossip_group_size",
+}
 ARM_KEYS = ("method", "routing", *OUTER_KEYS)
 METHODS = ("noloco", "diloco", "ddp", "local")
 ROUTINGS = ("sample", "step", "fixed")
@@ -51,7 +58,8 @@ def mesh_of(name: str) -> tuple[int, int]:
 
 def normalize_arm(name: str, arm: dict) -> dict:
     """An arm with every key present: unset outer hyperparameters of noloco/diloco become the paper's values
-    (H, alpha per method; beta 0.7; gamma = beta; pairs), those of ddp/local None; routing defaults to sample."""
+    (H, alpha per method; beta 0.7; gamma = beta; pairs), those of ddp/local None; routing defaults to
+    sample."""
     from hf_noloco.gossip import resolve_outer_defaults
 
     unknown = set(arm) - set(ARM_KEYS) - {"color", "linestyle", "label"}
@@ -65,9 +73,16 @@ def normalize_arm(name: str, arm: dict) -> dict:
         raise ValueError(f"arm {name!r}: routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
     out = {"method": method, "routing": routing}
     if method in ("noloco", "diloco"):
-        resolved = resolve_outer_defaults(method, arm.get("H"), arm.get("beta"), arm.get("alpha"), arm.get("gamma"))
-        out.update(H=resolved["inner_steps"], alpha=resolved["outer_momentum"], beta=resolved["outer_lr"],
-                   gamma=resolved["outer_averaging"], group=arm.get("group", 2) if method == "noloco" else None)
+        resolved = resolve_outer_defaults(
+            method, arm.get("H"), arm.get("beta"), arm.get("alpha"), arm.get("gamma")
+        )
+        out.update(
+            H=resolved["inner_steps"],
+            alpha=resolved["outer_momentum"],
+            beta=resolved["outer_lr"],
+            gamma=resolved["outer_averaging"],
+            group=arm.get("group", 2) if method == "noloco" else None,
+        )
         if method == "diloco" and (arm.get("gamma") is not None or arm.get("group") is not None):
             raise ValueError(f"arm {name!r}: gamma and group only apply to noloco")
     else:
@@ -82,7 +97,7 @@ def normalize_arm(name: str, arm: dict) -> dict:
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
-    """``NAME=METHOD[,key=value...]`` from the command line, e.g. ``noloco-a0.3=noloco,H=8,alpha=0.3,gamma=0.7``."""
+    """``NAME=METHOD[,key=value...]`` from the command line, e.g. ``nl=noloco,H=8,alpha=0.3,gamma=0.7``."""
     if "=" not in text:
         raise ValueError(f"--arm {text!r}: expected NAME=METHOD[,key=value...]")
     name, rest = text.split("=", 1)
@@ -131,7 +146,7 @@ def check_study(study: dict) -> None:
     for part, blocks in study["parts"].items():
         for block in blocks:
             known(block["arms"], f"part {part!r}")
-            dp, pp = mesh_of(block["mesh"])
+            dp, _ = mesh_of(block["mesh"])
             if study["train"]["global_batch"] % dp:
                 raise ValueError(f"part {part!r}: global_batch is not a multiple of dp={dp}")
             for arm in block["arms"]:
@@ -139,8 +154,10 @@ def check_study(study: dict) -> None:
                     raise ValueError(f"part {part!r}: noloco needs dp >= 2")
                 if arms[arm]["H"] is not None and steps % arms[arm]["H"]:
                     # The last evaluation should see every method right after an outer step.
-                    raise ValueError(f"part {part!r}: arm {arm!r} has H={arms[arm]['H']}, which does not divide "
-                                     f"max_steps={steps}")
+                    raise ValueError(
+                        f"part {part!r}: arm {arm!r} has H={arms[arm]['H']}, which does not divide "
+                        f"max_steps={steps}"
+                    )
 
 
 def plan(study: dict, parts: list[str] | None = None) -> list[tuple[str, str, str, int]]:
@@ -162,14 +179,24 @@ def shared_settings(study: dict) -> dict:
 
 
 def run_spec(study: dict, mesh: str, arm_name: str, seed: int) -> dict:
-    """The ``_common.train_run`` spec of one run."""
+    """The ``_common.train_history`` spec of one run."""
     dp, pp = mesh_of(mesh)
     arm, train = study["arms"][arm_name], study["train"]
     spec = dict(
-        model=study["model"], dp=dp, pp=pp, method=arm["method"], routing=arm["routing"], seed=seed,
-        global_batch=train["global_batch"], microbatch_size=train.get("microbatch_size"),
-        eval_batch=train["eval_batch"], lr=train["lr"], warmup_steps=train["warmup_steps"],
-        max_steps=train["max_steps"], log_every=train["log_every"], eval_every=train["eval_every"],
+        model=study["model"],
+        dp=dp,
+        pp=pp,
+        method=arm["method"],
+        routing=arm["routing"],
+        seed=seed,
+        global_batch=train["global_batch"],
+        microbatch_size=train.get("microbatch_size"),
+        eval_batch=train["eval_batch"],
+        lr=train["lr"],
+        warmup_steps=train["warmup_steps"],
+        max_steps=train["max_steps"],
+        log_every=train["log_every"],
+        eval_every=train["eval_every"],
         block_size=study["data"]["block_size"],
     )
     if arm["method"] in ("noloco", "diloco"):
@@ -217,8 +244,14 @@ def run_part(study: dict, part: str, results_dir: str, train, eval_, machine: di
     """Runs every run of ``part`` that its part file does not hold yet, saving the file after each run."""
     path = part_path(results_dir, part)
     settings = shared_settings(study)
-    record = {"study": study["name"], "part": part, "command": command, "machine": machine, **settings,
-              "runs": []}
+    record = {
+        "study": study["name"],
+        "part": part,
+        "command": command,
+        "machine": machine,
+        **settings,
+        "runs": [],
+    }
     if os.path.exists(path):
         old = read_part(path)
         if {k: old.get(k) for k in SHARED_KEYS} != settings:
@@ -231,22 +264,36 @@ def run_part(study: dict, part: str, results_dir: str, train, eval_, machine: di
         old_run = done.get((mesh, arm_name, seed))
         if old_run is not None:
             if old_run["arm_settings"] != arm:
-                raise ValueError(f"{path}: run {mesh} {arm_name} seed {seed} was made with {old_run['arm_settings']},"
-                                 f" the study now says {arm}: move the file away or rename the arm")
-            print(f"[{part} {i}/{len(todo)}] {mesh} {arm_name} seed {seed}: already in {os.path.basename(path)}", flush=True)
+                raise ValueError(
+                    f"{path}: run {mesh} {arm_name} seed {seed} was made with {old_run['arm_settings']},"
+                    f" the study now says {arm}: move the file away or rename the arm"
+                )
+            print(
+                f"[{part} {i}/{len(todo)}] {mesh} {arm_name} seed {seed}: "
+                f"already in {os.path.basename(path)}",
+                flush=True,
+            )
             continue
-        from _common import train_history
-
         start = time.monotonic()
         history, wall = train_history(run_spec(study, mesh, arm_name, seed), train, eval_)
-        run = {"mesh": mesh, "arm": arm_name, "seed": seed, "arm_settings": arm, "wall_s": wall,
-               "total_s": time.monotonic() - start, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "log_history": history}
+        run = {
+            "mesh": mesh,
+            "arm": arm_name,
+            "seed": seed,
+            "arm_settings": arm,
+            "wall_s": wall,
+            "total_s": time.monotonic() - start,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "log_history": history,
+        }
         record["runs"].append(run)
         write_json(path, record)
         final = [h["eval_perplexity"] for h in history if "eval_perplexity" in h][-1]
-        print(f"[{part} {i}/{len(todo)}] {mesh} {arm_name:<16} seed {seed}: final ppl {final:8.2f}  "
-            f"{wall:5.0f} s", flush=True)
+        print(
+            f"[{part} {i}/{len(todo)}] {mesh} {arm_name:<16} seed {seed}: final ppl {final:8.2f}  "
+            f"{wall:5.0f} s",
+            flush=True,
+        )
     write_json(path, record)
     return record
 

@@ -1,21 +1,21 @@
 """NoLoCo against DiLoCo, DDP and no sync on the same tokens, in miniature: the paper's Table 2 and its §5.2
 routing ablation, as a seeded, paired study.
 
-A study file (``benchmarks/studies/*.yaml``; the format is in ``_study.py``) lists arms (an outer method with
-its own H, alpha, beta, gamma, group size and routing), meshes, seeds, and parts to run them in. Within one mesh
-and seed every arm starts from the same weights and sees the same batches, so arms are compared per seed.
-Each part saves its runs (raw Trainer log histories) to ``part-<name>.json`` after every run and skips the runs
-it already has, so parts can run at different times and resume; the report merges every part file it finds.
+A study file (``benchmarks/studies/*.yaml``; the format is in ``_study.py``) lists arms (an outer method
+with its own H, alpha, beta, gamma, group size and routing), meshes, seeds, and parts to run them in. Within
+one mesh and seed every arm starts from the same weights and sees the same batches, so arms are compared per
+seed. Each part saves its runs (raw Trainer log histories) to ``part-<name>.json`` after every run and skips
+the runs it already has, so parts can run at different times and resume; the report merges every part file.
 
-    python benchmarks/convergence.py --list                      # the parts of the study and their runs
-    python benchmarks/convergence.py --part dp4xpp1              # one part (each well inside an hour on 2 cores)
-    python benchmarks/convergence.py                             # every part, one after another (~2 hours)
-    python benchmarks/convergence.py --replot                    # tables and plots from the saved parts only
-    python benchmarks/convergence.py --quick                     # smoke: a tiny study in seconds (CI)
+    python benchmarks/convergence.py --list             # the parts of the study and their runs
+    python benchmarks/convergence.py --part dp4xpp1     # one part (each well inside an hour on 2 cores)
+    python benchmarks/convergence.py                    # every part, one after another (~2 hours)
+    python benchmarks/convergence.py --replot           # tables and plots from the saved parts only
+    python benchmarks/convergence.py --quick            # smoke: a tiny study in seconds (CI)
 
-Outer hyperparameters come from the study file or the command line: ``--arm NAME=METHOD,H=8,alpha=0.5,beta=0.7,
-gamma=0.7,group=2,routing=sample`` adds (or replaces) an arm; ``--arms``, ``--meshes`` and ``--seeds`` run an
-ad-hoc part (named by ``--part``, default ``custom``) instead of the study's parts.
+Outer hyperparameters come from the study file or the command line: ``--arm NAME=METHOD,H=8,alpha=0.5,
+beta=0.7,gamma=0.7,group=2,routing=sample`` adds (or replaces) an arm; ``--arms``, ``--meshes`` and
+``--seeds`` run an ad-hoc part (named by ``--part``, default ``custom``) instead of the study's parts.
 
 Writes, in ``benchmarks/results/<study name>/`` (``--output-dir`` moves it; ``--quick``: a temporary folder):
 ``part-*.json`` (raw runs), ``summary.json`` (statistics), ``summary.md`` (the tables of RESULTS.md) and
@@ -32,9 +32,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as common  # noqa: E402
-import _report as report  # noqa: E402
-import _study as study_io  # noqa: E402
+import _common as common
+import _report as report
+import _study as study_io
 
 STUDIES = os.path.join(common.BENCH_DIR, "studies")
 DEFAULT_STUDY = os.path.join(STUDIES, "factorial.yaml")
@@ -52,8 +52,12 @@ def build_study(args) -> dict:
         if not (args.arms and args.meshes and args.seeds):
             raise SystemExit("error: --arms, --meshes and --seeds go together (an ad-hoc part)")
         part = args.part or "custom"
-        study["parts"] = {part: [{"mesh": m, "seeds": [int(s) for s in args.seeds.split(",")],
-                                  "arms": args.arms.split(",")} for m in args.meshes.split(",")]}
+        study["parts"] = {
+            part: [
+                {"mesh": m, "seeds": [int(s) for s in args.seeds.split(",")], "arms": args.arms.split(",")}
+                for m in args.meshes.split(",")
+            ]
+        }
     study_io.check_study(study)
     return study
 
@@ -65,12 +69,20 @@ def write_report(study: dict, results_dir: str) -> dict:
     tokens_per_step = settings["train"]["global_batch"] * settings["data"]["block_size"]
     parts = sorted({r["part"] for r in runs})
     result = {
-        "benchmark": "convergence", "study": study["name"], "study_file": os.path.relpath(study["path"], common.BENCH_DIR),
-        "machine": settings["machine"], "corpus": settings["corpus"], "model": settings["model"],
-        "parameters": summary["parameters"], "data": settings["data"], "train": settings["train"],
-        "tokens_per_step": tokens_per_step, "total_tokens": tokens_per_step * settings["train"]["max_steps"],
-        "arms": {name: {k: v for k, v in arm.items()} for name, arm in study["arms"].items()},
-        "parts": parts, "num_runs": len(runs),
+        "benchmark": "convergence",
+        "study": study["name"],
+        "study_file": os.path.relpath(study["path"], common.BENCH_DIR),
+        "machine": settings["machine"],
+        "corpus": settings["corpus"],
+        "model": settings["model"],
+        "parameters": summary["parameters"],
+        "data": settings["data"],
+        "train": settings["train"],
+        "tokens_per_step": tokens_per_step,
+        "total_tokens": tokens_per_step * settings["train"]["max_steps"],
+        "arms": {name: dict(arm) for name, arm in study["arms"].items()},
+        "parts": parts,
+        "num_runs": len(runs),
         "train_hours": sum(r["wall_s"] for r in runs) / 3600,
         "run_hours": sum(r.get("total_s", r["wall_s"]) for r in runs) / 3600,
         **summary,
@@ -87,20 +99,29 @@ def write_report(study: dict, results_dir: str) -> dict:
 
 
 def main(argv=None) -> dict | None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--study", help="study file (default benchmarks/studies/factorial.yaml)")
     parser.add_argument("--quick", action="store_true", help="smoke mode: benchmarks/studies/quick.yaml")
     parser.add_argument("--part", help="comma-separated parts to run (default: all, in order)")
     parser.add_argument("--list", action="store_true", help="print the parts and their runs, then stop")
-    parser.add_argument("--arm", action="append", metavar="NAME=METHOD,key=value,...",
-                        help="add or replace an arm (keys: H, alpha, beta, gamma, group, routing); repeatable")
+    parser.add_argument(
+        "--arm",
+        action="append",
+        metavar="NAME=METHOD,key=value,...",
+        help="add or replace an arm (keys: H, alpha, beta, gamma, group, routing); repeatable",
+    )
     parser.add_argument("--arms", help="with --meshes and --seeds: run these arms as one ad-hoc part")
     parser.add_argument("--meshes", help="comma-separated dpxpp meshes of the ad-hoc part, e.g. 4x1,4x2")
     parser.add_argument("--seeds", help="comma-separated seeds of the ad-hoc part")
     parser.add_argument("--steps", type=int, help="override max_steps (warm-up 10%%; every H must divide it)")
     parser.add_argument("--output-dir", help="results folder (default benchmarks/results/<study name>)")
-    parser.add_argument("--replot", action="store_true", help="no training: merge the saved parts, redo "
-                        "summary.json, summary.md and the plots")
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="no training: merge the saved parts, redo summary.json, summary.md and the plots",
+    )
     args = parser.parse_args(argv)
     study = build_study(args)
     if args.output_dir:
@@ -126,10 +147,19 @@ def main(argv=None) -> dict | None:
 
     start = time.monotonic()
     data = study["data"]
-    train, eval_, _ = common.load_corpus(study["corpus"], data["block_size"], study["model"]["vocab_size"],
-                                         data["eval_blocks"], data.get("max_docs"))
-    print(f"{study['name']}: {len(train)} train blocks, {len(eval_)} eval blocks of {data['block_size']} tokens; "
-          f"{len(todo)} runs in {len(parts)} part(s); results in {results_dir}", flush=True)
+    train, eval_, _ = common.load_corpus(
+        study["corpus"],
+        data["block_size"],
+        study["model"]["vocab_size"],
+        data["eval_blocks"],
+        data.get("max_docs"),
+    )
+    print(
+        f"{study['name']}: {len(train)} train blocks, {len(eval_)} eval blocks of {data['block_size']} "
+        f"tokens; "
+        f"{len(todo)} runs in {len(parts)} part(s); results in {results_dir}",
+        flush=True,
+    )
     command = "python benchmarks/convergence.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     machine = common.machine()
     for part in parts:

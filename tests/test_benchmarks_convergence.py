@@ -48,19 +48,43 @@ def test_paired_log_ratio_by_hand():
 
 def test_arms_from_the_command_line_and_the_paper_defaults():
     name, arm = _study.parse_arm("nl=noloco,H=8,alpha=0.3,gamma=0.5,group=4,routing=step")
-    assert name == "nl" and arm == {"method": "noloco", "H": 8, "alpha": 0.3, "gamma": 0.5, "group": 4,
-                                    "routing": "step"}
+    assert name == "nl" and arm == {
+        "method": "noloco",
+        "H": 8,
+        "alpha": 0.3,
+        "gamma": 0.5,
+        "group": 4,
+        "routing": "step",
+    }
     full = _study.normalize_arm(name, arm)
-    assert full == {"method": "noloco", "routing": "step", "H": 8, "alpha": 0.3, "beta": 0.7, "gamma": 0.5,
-                    "group": 4}
+    assert full == {
+        "method": "noloco",
+        "routing": "step",
+        "H": 8,
+        "alpha": 0.3,
+        "beta": 0.7,
+        "gamma": 0.5,
+        "group": 4,
+    }
     # Unset values are the paper's: noloco H 50, alpha 0.5, gamma = beta, pairs; diloco H 100, alpha 0.3.
     assert _study.normalize_arm("n", {"method": "noloco", "beta": 0.6}) == {
-        "method": "noloco", "routing": "sample", "H": 50, "alpha": 0.5, "beta": 0.6, "gamma": 0.6, "group": 2}
+        "method": "noloco",
+        "routing": "sample",
+        "H": 50,
+        "alpha": 0.5,
+        "beta": 0.6,
+        "gamma": 0.6,
+        "group": 2,
+    }
     assert _study.normalize_arm("d", {"method": "diloco"})["H"] == 100
     assert _study.normalize_arm("d", {"method": "diloco"})["alpha"] == 0.3
-    for bad, message in [("x=diloco,gamma=0.5", "only apply to noloco"), ("x=ddp,H=4", "no outer step"),
-                         ("x=noloco,eta=1", "unknown key"), ("x=adam", "method must be"),
-                         ("x=local,routing=random", "routing must be")]:
+    for bad, message in [
+        ("x=diloco,gamma=0.5", "only apply to noloco"),
+        ("x=ddp,H=4", "no outer step"),
+        ("x=noloco,eta=1", "unknown key"),
+        ("x=adam", "method must be"),
+        ("x=local,routing=random", "routing must be"),
+    ]:
         with pytest.raises(ValueError, match=message):
             _study.normalize_arm(*_study.parse_arm(bad))
 
@@ -68,15 +92,22 @@ def test_arms_from_the_command_line_and_the_paper_defaults():
 def test_the_study_file_is_consistent():
     study = _study.load_study(os.path.join(ROOT, "benchmarks", "studies", "factorial.yaml"))
     runs = _study.plan(study)
-    assert len(runs) == len(set((m, a, s) for _, m, a, s in runs))  # no run twice
+    assert len(runs) == len({(m, a, s) for _, m, a, s in runs})  # no run twice
     train = study["train"]
     tokens = train["max_steps"] * train["global_batch"] * study["data"]["block_size"]
     assert tokens >= 4 * 160 * 1024  # at least 4x the earlier study's tokens
     noloco = [a for a in study["arms"].values() if a["method"] == "noloco"]
     assert min(train["max_steps"] // a["H"] for a in noloco) >= 40  # at least 40 NoLoCo outer steps
     for mesh in ("4x1", "8x1", "4x2"):  # the factorial: 3 seeds of every arm on every mesh
-        for arm in ("ddp", "local", "diloco-H8-a0.3", "diloco-H8-a0.5", "noloco-H8-a0.3", "noloco-H8-a0.5",
-                    "diloco-H16-a0.3"):
+        for arm in (
+            "ddp",
+            "local",
+            "diloco-H8-a0.3",
+            "diloco-H8-a0.5",
+            "noloco-H8-a0.3",
+            "noloco-H8-a0.5",
+            "diloco-H16-a0.3",
+        ):
             assert sorted(s for _, m, a, s in runs if (m, a) == (mesh, arm)) == [0, 1, 2], (mesh, arm)
     for mesh in study["routing"]["meshes"]:
         for arm in [study["routing"]["baseline"], *study["routing"]["arms"]]:
@@ -90,7 +121,11 @@ def test_the_study_file_is_consistent():
 def convergence(*args, timeout=300):
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"), *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
         env=dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1"),
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -118,7 +153,14 @@ def test_quick_study_runs_in_parts_resumes_merges_and_replots(tmp_path):
             assert evals[-1]["eval_perplexity"] < evals[0]["eval_perplexity"]  # it learns
             runs[(run["arm"], run["seed"])] = run
     assert runs[("noloco-H2-a0.5", 0)]["arm_settings"] == {  # unset in quick.yaml: the paper's values
-        "method": "noloco", "routing": "sample", "H": 2, "alpha": 0.5, "beta": 0.7, "gamma": 0.7, "group": 2}
+        "method": "noloco",
+        "routing": "sample",
+        "H": 2,
+        "alpha": 0.5,
+        "beta": 0.7,
+        "gamma": 0.7,
+        "group": 2,
+    }
 
     def final(arm, seed):
         return [h["eval_perplexity"] for h in runs[(arm, seed)]["log_history"] if "eval_perplexity" in h][-1]
@@ -139,18 +181,29 @@ def test_quick_study_runs_in_parts_resumes_merges_and_replots(tmp_path):
     assert result["ratio"] == pytest.approx(math.exp(statistics.mean(logs)))
     assert result["low"] == pytest.approx(math.exp(statistics.mean(logs) - half), rel=1e-4)
     [interaction] = [c for c in summary["comparisons"] if c["name"] == "interaction"]
-    expected = [final("noloco-H2-a0.5", s) * final("diloco-H2-a0.3", s)
-                / (final("diloco-H2-a0.5", s) * final("noloco-H2-a0.3", s)) for s in (0, 1)]
+    expected = [
+        final("noloco-H2-a0.5", s)
+        * final("diloco-H2-a0.3", s)
+        / (final("diloco-H2-a0.5", s) * final("noloco-H2-a0.3", s))
+        for s in (0, 1)
+    ]
     assert interaction["by_mesh"]["2x2"]["per_seed"] == pytest.approx(expected)
     # At dp = 2 a NoLoCo pair is the whole group: equal alpha and H, gamma = beta give DiLoCo (to rounding).
     for alpha in ("0.3", "0.5"):
         for seed in (0, 1):
-            assert final(f"noloco-H2-a{alpha}", seed) == pytest.approx(final(f"diloco-H2-a{alpha}", seed), rel=1e-5)
+            assert final(f"noloco-H2-a{alpha}", seed) == pytest.approx(
+                final(f"diloco-H2-a{alpha}", seed), rel=1e-5
+            )
     routing = summary["routing"]["2x2"]
     for arm in ("local", "local-step"):
-        std = [h["replica_divergence"] for h in runs[(arm, 1)]["log_history"] if "replica_divergence" in h][-1]
-        fixed = [h["replica_divergence"] for h in runs[("local-fixed", 1)]["log_history"]
-                 if "replica_divergence" in h][-1]
+        std = [h["replica_divergence"] for h in runs[(arm, 1)]["log_history"] if "replica_divergence" in h][
+            -1
+        ]
+        fixed = [
+            h["replica_divergence"]
+            for h in runs[("local-fixed", 1)]["log_history"]
+            if "replica_divergence" in h
+        ][-1]
         assert routing[arm]["std_ratio_final"]["per_seed"][1] == pytest.approx(std / fixed)
 
     tables = (tmp_path / "summary.md").read_text()
@@ -172,13 +225,35 @@ def test_quick_study_runs_in_parts_resumes_merges_and_replots(tmp_path):
 def test_command_line_arm_reaches_the_trainer(tmp_path):
     """An ad-hoc part with an arm from the command line: gamma != beta makes NoLoCo send its slow weights too,
     so each outer step sends two copies of the model (one with gamma = beta)."""
-    convergence("--quick", "--output-dir", str(tmp_path), "--arms", "nl", "--meshes", "2x1", "--seeds", "3",
-                "--arm", "nl=noloco,H=4,alpha=0.2,beta=0.6,gamma=0.4")
+    convergence(
+        "--quick",
+        "--output-dir",
+        str(tmp_path),
+        "--arms",
+        "nl",
+        "--meshes",
+        "2x1",
+        "--seeds",
+        "3",
+        "--arm",
+        "nl=noloco,H=4,alpha=0.2,beta=0.6,gamma=0.4",
+    )
     [run] = json.loads((tmp_path / "part-custom.json").read_text())["runs"]
-    assert run["arm_settings"] == {"method": "noloco", "routing": "sample", "H": 4, "alpha": 0.2, "beta": 0.6,
-                                   "gamma": 0.4, "group": 2}
+    assert run["arm_settings"] == {
+        "method": "noloco",
+        "routing": "sample",
+        "H": 4,
+        "alpha": 0.2,
+        "beta": 0.6,
+        "gamma": 0.4,
+        "group": 2,
+    }
     from _common import count_parameters
 
     study = _study.load_study(os.path.join(ROOT, "benchmarks", "studies", "quick.yaml"))
-    sent = [h["outer_bytes_sent_per_rank"] for h in run["log_history"] if "outer_bytes_sent_per_rank" in h][-1]
-    assert sent == 2 * 2 * count_parameters(study["model"]) * 4  # 8 steps / H 4 = 2 outer steps, theta + phi, fp32
+    sent = [h["outer_bytes_sent_per_rank"] for h in run["log_history"] if "outer_bytes_sent_per_rank" in h][
+        -1
+    ]
+    assert (
+        sent == 2 * 2 * count_parameters(study["model"]) * 4
+    )  # 8 steps / H 4 = 2 outer steps, theta + phi, fp32

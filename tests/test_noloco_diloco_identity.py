@@ -3,26 +3,27 @@ with gamma = beta and the same alpha and H, NoLoCo's outer step is DiLoCo's
 
     delta <- alpha delta + beta (mean(theta) - phi)  ==  alpha delta + beta mean(theta - phi)
 
-(both replicas hold the same phi and delta). Trained end to end on 2 replicas x 2 stages, the two methods must
-give the same losses and weights up to float rounding (NoLoCo averages by point-to-point exchange, DiLoCo by an
-all-reduce of pseudo-gradients: the roundings differ). With gamma != beta the gamma term,
+(both replicas hold the same phi and delta). Trained end to end on 2 replicas x 2 stages, the two methods
+must give the same losses and weights up to float rounding (NoLoCo averages by point-to-point exchange,
+DiLoCo by an all-reduce of pseudo-gradients: the roundings differ). With gamma != beta the gamma term,
 gamma (mean(phi) - phi_i), is exactly zero, so that code path (slow weights sent too) must agree as well.
 
-The control: the same comparison between DiLoCo at alpha 0.5 and 0.3 shows differences far above the tolerance,
-so the tolerance is tight enough to see a change of outer momentum.
+The control: the same comparison between DiLoCo at alpha 0.5 and 0.3 shows differences far above the
+tolerance, so the tolerance is tight enough to see a change of outer momentum.
 """
 
 import pytest
-import torch
-
-from dist_harness import run_distributed
 from test_trainer import byte_config, byte_corpus, make_args
+
+from hf_noloco.local_launch import run_distributed
 
 STEPS, H = 9, 3  # three outer steps: momentum enters from the second
 ARMS = {
     "diloco": dict(outer_optimizer="diloco", outer_momentum=0.5, outer_lr=0.7),
     "noloco": dict(outer_optimizer="noloco", outer_momentum=0.5, outer_lr=0.7, outer_averaging=0.7),
-    "noloco, gamma 0.3": dict(outer_optimizer="noloco", outer_momentum=0.5, outer_lr=0.7, outer_averaging=0.3),
+    "noloco, gamma 0.3": dict(
+        outer_optimizer="noloco", outer_momentum=0.5, outer_lr=0.7, outer_averaging=0.3
+    ),
     "diloco, alpha 0.3": dict(outer_optimizer="diloco", outer_momentum=0.3, outer_lr=0.7),
 }
 
@@ -33,8 +34,18 @@ def _train_each_arm(out):
     data = byte_corpus(160)
     results = {}
     for name, outer in ARMS.items():
-        args = make_args(f"{out}/{name}", max_steps=STEPS, inner_steps=H, logging_steps=1, eval_strategy="no",
-                         routing="sample", lr_scheduler_type="cosine", warmup_steps=2, seed=5, **outer)
+        args = make_args(
+            f"{out}/{name}",
+            max_steps=STEPS,
+            inner_steps=H,
+            logging_steps=1,
+            eval_strategy="no",
+            routing="sample",
+            lr_scheduler_type="cosine",
+            warmup_steps=2,
+            seed=5,
+            **outer,
+        )
         trainer = NoLoCoTrainer(byte_config(), args, train_dataset=data)
         start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         trainer.train()
