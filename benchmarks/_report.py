@@ -5,8 +5,9 @@ runs; nothing trains.
 Per run, the curves come from its raw Trainer log history (``_common.curves``). Final perplexity is the pooled
 validation perplexity at the last step (right after an outer step of every arm, as ``max_steps`` is a multiple
 of every H). Replica divergence is the official RMS distance of the replicas' weights from their mean, logged
-every ``log_every`` steps; "between syncs" are the logged steps that are not a multiple of the arm's H, "after
-sync" the others (DiLoCo's replicas are then identical; NoLoCo's only within each pair).
+every ``log_every`` steps; "mid-interval" is its value halfway between two outer steps (logged steps that are
+H/2 modulo the arm's H; with no H, every logged step), "after sync" at the outer steps (DiLoCo's replicas are
+then identical; NoLoCo's only within each pair).
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ def meshes_of(runs: list[dict]) -> list[str]:
 
 
 def divergence_split(c: dict, H: int | None) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """(between syncs, after sync): (step, divergence) of the logged steps; all "between" without H."""
+    """(mid-interval, after sync): (step, divergence) of the logged steps H/2 and 0 modulo H (every logged
+    step is "mid-interval" without H; when no logged step is H/2 modulo H, every one between syncs is)."""
     pairs = list(zip(c["log_steps"], c["replica_divergence"]))
     if not H:
         return pairs, []
-    return [p for p in pairs if p[0] % H], [p for p in pairs if p[0] % H == 0]
+    mid = [p for p in pairs if p[0] % H == H // 2] or [p for p in pairs if p[0] % H]
+    return mid, [p for p in pairs if p[0] % H == 0]
 
 
 def late_mean(pairs: list[tuple[int, float]], last_step: int) -> float:
@@ -94,15 +97,15 @@ def arm_rows(study: dict, idx: dict, meshes: list[str], last_step: int) -> dict:
                 continue
             seeds = sorted(by_seed)
             finals = [final(by_seed[s]) for s in seeds]
-            between = [late_mean(divergence_split(by_seed[s], arm["H"])[0], last_step) for s in seeds]
+            mid = [late_mean(divergence_split(by_seed[s], arm["H"])[0], last_step) for s in seeds]
             after = [late_mean(divergence_split(by_seed[s], arm["H"])[1], last_step) for s in seeds]
             row = {
                 "seeds": seeds,
                 "final_perplexity": finals,
                 "mean": stats.mean(finals),
                 "std": stats.std(finals),
-                "divergence_between_syncs": stats.mean(between),
-                "divergence_between_syncs_std": stats.std(between),
+                "divergence_mid_interval": stats.mean(mid),
+                "divergence_mid_interval_std": stats.std(mid),
                 "divergence_after_sync": stats.mean(after) if arm["H"] else None,
                 "wall_s": stats.mean([by_seed[s]["wall_s"] for s in seeds]),
             }
@@ -248,7 +251,7 @@ def markdown(study: dict, summary: dict) -> str:
     lines.append(
         "| mesh | arm | H | alpha | final ppl | per seed | vs "
         + f"`{ref}`"
-        + " | divergence between syncs | after sync | train s |"
+        + " | divergence, mid-interval | after sync | train s |"
     )
     lines.append("|---|---|---:|---:|---:|---|---|---:|---:|---:|")
     for mesh, rows in summary["arms"].items():
@@ -263,7 +266,7 @@ def markdown(study: dict, summary: dict) -> str:
             lines.append(
                 f"| {mesh_label(mesh)} | `{name}` | {arm['H'] or '-'} | {alpha} "
                 f"| {row['mean']:.1f} +- {row['std']:.1f} | {seeds} | {vs} | "
-                f"{row['divergence_between_syncs']:.2e} | {'-' if after is None else f'{after:.1e}'} | "
+                f"{row['divergence_mid_interval']:.2e} | {'-' if after is None else f'{after:.1e}'} | "
                 f"{row['wall_s']:.0f} |"
             )
     lines.append("")
@@ -472,7 +475,7 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
 
-    # 3. Replica divergence between syncs (mean +- std).
+    # 3. Replica divergence halfway between outer steps (mean +- std).
     if factorial_meshes:
         fig, axes = plt.subplots(
             1, len(factorial_meshes), figsize=(4.6 * len(factorial_meshes), 3.6), squeeze=False
@@ -489,12 +492,13 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
                 title=f"{mesh_label(mesh)}",
                 yscale="log",
                 xlabel="step",
-                ylabel="replica divergence between syncs",
+                ylabel="replica divergence, mid-interval",
             )
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
         fig.suptitle(
-            f"{title}: replica divergence at logged steps that are not a multiple of H (ddp: 0)", fontsize=10
+            f"{title}\nreplica divergence halfway between outer steps (steps H/2 modulo H; ddp: 0)",
+            fontsize=10,
         )
         fig.tight_layout()
         paths.append(f"{stem}_divergence.png")

@@ -284,6 +284,7 @@ def run_part(study: dict, part: str, results_dir: str, train, eval_, machine: di
             "wall_s": wall,
             "total_s": time.monotonic() - start,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "load_average": os.getloadavg()[0],  # the machine's 1-minute load when the run ended
             "log_history": history,
         }
         record["runs"].append(run)

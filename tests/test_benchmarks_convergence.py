@@ -172,7 +172,7 @@ def test_quick_study_runs_in_parts_resumes_merges_and_replots(tmp_path):
         assert row["final_perplexity"] == finals
         assert row["mean"] == pytest.approx(statistics.mean(finals))
         assert row["std"] == pytest.approx(statistics.stdev(finals))
-    assert rows["ddp"]["divergence_between_syncs"] == 0.0 < rows["local"]["divergence_between_syncs"]
+    assert rows["ddp"]["divergence_mid_interval"] == 0.0 < rows["local"]["divergence_mid_interval"]
     [paper] = [c for c in summary["comparisons"] if c["name"] == "paper pairing"]
     logs = [math.log(final("noloco-H2-a0.5", s) / final("diloco-H4-a0.3", s)) for s in (0, 1)]
     half = T_TABLE[1] * statistics.stdev(logs) / math.sqrt(2)
