@@ -216,7 +216,34 @@ def summarize(study: dict, settings: dict, runs: list[dict]) -> dict:
         "arms": arm_rows(study, idx, meshes, last_step),
         "comparisons": comparison_rows(study, idx, meshes),
         "routing": routing_rows(study, idx, last_step),
+        "timing": timing_rows(runs),
     }
+
+
+def timing_rows(runs: list[dict]) -> dict:
+    """Per part: runs, hours of running (process start to results, per run), the fastest and slowest run, the
+    mean 1-minute load average of the machine at the end of its runs (where recorded), and what the part would
+    take if every run were as fast as the fastest run of its mesh and arm in the whole study (the machine with
+    little else to do)."""
+    fastest: dict = {}
+    for r in runs:
+        key = (r["mesh"], r["arm"])
+        fastest[key] = min(fastest.get(key, math.inf), r.get("total_s", r["wall_s"]))
+    out = {}
+    for part in sorted({r["part"] for r in runs}):
+        mine = [r for r in runs if r["part"] == part]
+        seconds = [r.get("total_s", r["wall_s"]) for r in mine]
+        loads = [r["load_average"] for r in mine if "load_average" in r]
+        out[part] = {
+            "runs": len(mine),
+            "meshes": sorted({r["mesh"] for r in mine}),
+            "hours": sum(seconds) / 3600,
+            "fastest_run_s": min(seconds),
+            "slowest_run_s": max(seconds),
+            "mean_load_average": stats.mean(loads) if loads else None,
+            "hours_at_fastest": sum(fastest[(r["mesh"], r["arm"])] for r in mine) / 3600,
+        }
+    return out
 
 
 def fmt_pct(result: dict | None, digits: int = 1) -> str:
@@ -317,6 +344,24 @@ def markdown(study: dict, summary: dict) -> str:
                 if name != base:
                     cells = [fmt_ratio(row["std_ratio_by_quarter"][str(q)]) for q in QUARTERS]
                     lines.append(f"| {mesh_label(mesh)} | `{name}` | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("#### Time per part (hours of running; the machine was shared with other jobs)\n")
+    lines.append(
+        "| part | runs | meshes | hours | fastest / slowest run (s) | load average | hours if every run "
+        "were as fast as its fastest repeat |"
+    )
+    lines.append("|---|---:|---|---:|---|---:|---:|")
+    timing = summary["timing"]
+    for part, row in timing.items():
+        load = "-" if row["mean_load_average"] is None else f"{row['mean_load_average']:.1f}"
+        lines.append(
+            f"| {part} | {row['runs']} | {', '.join(mesh_label(m) for m in row['meshes'])} | "
+            f"{row['hours']:.2f} | {row['fastest_run_s']:.0f} / {row['slowest_run_s']:.0f} | {load} | "
+            f"{row['hours_at_fastest']:.2f} |"
+        )
+    total = sum(r["hours"] for r in timing.values())
+    fast = sum(r["hours_at_fastest"] for r in timing.values())
+    lines.append(f"| all | {sum(r['runs'] for r in timing.values())} | | {total:.2f} | | | {fast:.2f} |")
     return "\n".join(lines) + "\n"
 
 
