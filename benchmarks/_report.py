@@ -282,6 +282,8 @@ def markdown(study: dict, summary: dict) -> str:
     )
     lines.append("|---|---|---:|---:|---:|---|---|---:|---:|---:|")
     for mesh, rows in summary["arms"].items():
+        if ref and ref not in rows:
+            continue  # a mesh of the routing ablation only: it has its own table
         for name, row in rows.items():
             arm = study["arms"][name]
             if arm["routing"] != "sample":
@@ -442,7 +444,7 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
                 x = [t / 1e6 for t in by_seed[seeds[0]]["tokens"]]
                 _band(ax, x, [by_seed[s]["eval_perplexity"] for s in seeds], name, _style(arm))
                 finals += [final(by_seed[s]) for s in seeds]
-                if ref and name != ref and (mesh, ref) in idx:
+                if ref and name != ref and (mesh, ref) in idx and arm["H"]:  # ddp, local: see the tables
                     common = sorted(set(by_seed) & set(idx[(mesh, ref)]))
                     _ratio_band(
                         ax_r,
@@ -461,7 +463,7 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
             ax.set_ylim(min(finals) * 0.9, max(finals) * 3)
             ax_r.axhline(1.0, color="tab:blue", linewidth=0.8)
             ax_r.set(
-                title=f"{mesh_label(mesh)}: paired ratio to {ref} (95% interval)",
+                title=f"{mesh_label(mesh)}: paired ratio to {ref} (95% int.)",
                 xlabel="training tokens (millions)",
                 ylabel="perplexity ratio",
             )
@@ -477,7 +479,7 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
     # 2. The comparisons: final paired ratio with its 95% interval, per mesh.
     comparisons = [c for c in summary["comparisons"] if c["by_mesh"]]
     if comparisons:
-        fig, ax = plt.subplots(figsize=(10, 0.55 * len(comparisons) * len(factorial_meshes) + 1.5))
+        fig, ax = plt.subplots(figsize=(10, 0.32 * len(comparisons) * len(factorial_meshes) + 1.5))
         y, labels, markers = 0, [], ["o", "s", "^", "D"]
         for c in reversed(comparisons):
             for k, mesh in enumerate(reversed(factorial_meshes)):
@@ -596,7 +598,7 @@ def plot(study: dict, settings: dict, runs: list[dict], summary: dict, stem: str
                 ylabel="RMS replica divergence",
             )
             row[1].set(title="std ratio to fixed routing (95% interval)", ylabel="ratio")
-            row[2].set(title="validation perplexity ratio to fixed routing (95% interval)", ylabel="ratio")
+            row[2].set(title="val. perplexity ratio to fixed routing (95% int.)", ylabel="ratio")
             for ax in row:
                 ax.set_xlabel("step")
                 ax.grid(alpha=0.3)
