@@ -60,7 +60,7 @@ def normalize_arm(name: str, arm: dict) -> dict:
     """An arm with every key present: unset outer hyperparameters of noloco/diloco become the paper's values
     (H, alpha per method; beta 0.7; gamma = beta; pairs), those of ddp/local None; routing defaults to
     sample."""
-    from hf_noloco.gossip import resolve_outer_defaults
+    from hf_noloco.config import OuterSettings
 
     unknown = set(arm) - set(ARM_KEYS) - {"color", "linestyle", "label"}
     if unknown:
@@ -73,18 +73,24 @@ def normalize_arm(name: str, arm: dict) -> dict:
         raise ValueError(f"arm {name!r}: routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
     out = {"method": method, "routing": routing}
     if method in ("noloco", "diloco"):
-        resolved = resolve_outer_defaults(
-            method, arm.get("H"), arm.get("beta"), arm.get("alpha"), arm.get("gamma")
-        )
-        out.update(
-            H=resolved["inner_steps"],
-            alpha=resolved["outer_momentum"],
-            beta=resolved["outer_lr"],
-            gamma=resolved["outer_averaging"],
-            group=arm.get("group", 2) if method == "noloco" else None,
-        )
         if method == "diloco" and (arm.get("gamma") is not None or arm.get("group") is not None):
             raise ValueError(f"arm {name!r}: gamma and group only apply to noloco")
+        # The library's own defaults and range checks (None: the paper's value for the method).
+        resolved = OuterSettings(
+            method,
+            inner_steps=arm.get("H"),
+            outer_lr=arm.get("beta"),
+            outer_momentum=arm.get("alpha"),
+            outer_averaging=arm.get("gamma"),
+            group_size=arm.get("group", 2),
+        )
+        out.update(
+            H=resolved.inner_steps,
+            alpha=resolved.outer_momentum,
+            beta=resolved.outer_lr,
+            gamma=resolved.outer_averaging,
+            group=resolved.group_size if method == "noloco" else None,
+        )
     else:
         given = [k for k in OUTER_KEYS if arm.get(k) is not None]
         if given:

@@ -84,6 +84,8 @@ def test_arms_from_the_command_line_and_the_paper_defaults():
         ("x=noloco,eta=1", "unknown key"),
         ("x=adam", "method must be"),
         ("x=local,routing=random", "routing must be"),
+        ("x=noloco,alpha=1.0", "outer_momentum"),  # the library's own range checks
+        ("x=diloco,beta=0", "outer_lr"),
     ]:
         with pytest.raises(ValueError, match=message):
             _study.normalize_arm(*_study.parse_arm(bad))
