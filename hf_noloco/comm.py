@@ -166,9 +166,9 @@ class PeerWatch:
 
     def hold_store_at_exit(self) -> None:
         """When this process hosts the store (rank 0 launched without an elastic agent), it waits at exit,
-        after its error is out, until every other rank has recorded its own failure or stopped beating (killed,
-        frozen, gone), at most ``20 * interval`` seconds: ranks that fail a moment later (a peer's diagnosis
-        takes ``3 * interval``) still read the job's first failure from this store."""
+        after its error is out, until every other rank has recorded its own failure or stopped beating
+        (killed, frozen, gone), at most ``20 * interval`` seconds: ranks that fail a moment later (a peer's
+        diagnosis takes ``3 * interval``) still read the job's first failure from this store."""
         hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         if self.store is not None and self.rank == 0 and not hosted_by_agent:
             atexit.register(self._hold_store, 20 * self.interval)
