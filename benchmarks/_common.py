@@ -1,19 +1,19 @@
-"""Shared by the convergence and routing-ablation benchmarks: the corpus (BPE tokenizer trained once, cached),
-one NoLoCoTrainer run on local gloo processes, and the record of its curves.
+"""Shared by the benchmarks that train: the corpus (BPE tokenizer trained once, cached), one NoLoCoTrainer
+run on local gloo processes, and the curves of its log history.
 
-A run is described by a plain dict (``spec``): the model config, the mesh (dp, pp), the outer method, routing,
-seed and the training schedule. :func:`train_run` forks ``dp * pp`` processes (one thread each, fork start,
-so the packed datasets are shared, not pickled), trains, and returns rank 0's curves:
+A run is described by a plain dict (``spec``): the model config, the mesh (dp, pp), the outer method and its
+hyperparameters, routing, seed and the training schedule. :func:`train_history` forks ``dp * pp`` processes
+(one thread each, fork start, so the packed datasets are shared, not pickled), trains, and returns rank 0's
+raw Trainer log history and the training wall time; :func:`curves` turns a log history into lists:
 
     {"steps": [...], "tokens": [...], "eval_perplexity": [...],         # every eval_steps, step 0 included
      "log_steps": [...], "loss": [...], "replica_divergence": [...],    # every logging step
-     "replica_divergence_stages": {stage: [...]}, "final_perplexity": float, "wall_s": float}
+     "replica_divergence_stages": {stage: [...]}, "final_perplexity": float}
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import platform
 import tempfile
@@ -26,25 +26,23 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(BENCH_DIR, "results")
 BUILTIN = "builtin:python-docs"
 
-# The model both benchmarks train (full mode: ~1.3M parameters, half of them the 2048-token embeddings), and
-# the smoke mode's.
-FULL_MODEL = dict(vocab_size=2048, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-QUICK_MODEL = dict(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-
 
 def machine() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cores": cores, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
+    return {
+        "cores": cores,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 # ------------------------------------------------------------------------------------------------- data
 
 
 def _cache_dir(corpus: str, vocab_size: int, max_docs) -> str:
-    """A tokenizer cache folder keyed by the corpus (path, size, mtime), its document cap and the vocabulary."""
+    """A tokenizer cache folder keyed by the corpus (path, size, mtime), its document cap and vocabulary."""
     key = corpus
     if corpus != BUILTIN:
         stat = os.stat(corpus)
@@ -54,7 +52,7 @@ def _cache_dir(corpus: str, vocab_size: int, max_docs) -> str:
 
 
 def load_corpus(corpus: str, block_size: int, vocab_size: int, max_eval_blocks: int, max_docs=None):
-    """Packed (train, eval) datasets of ``corpus`` (a text file path or the built-in corpus) and its tokenizer.
+    """Packed (train, eval) datasets of ``corpus`` (a text file or the built-in corpus) and its tokenizer.
 
     The BPE tokenizer is trained on the train documents once and cached in the temp folder; the 5%
     validation carve-out is by document (hf_noloco.data.load_splits), so no block mixes both sides.
@@ -98,16 +96,40 @@ def _train_worker(spec: dict, train, eval_, out_dir: str):
     from hf_noloco.trainer import NoLoCoTrainer
 
     steps = spec["max_steps"]
-    outer = {} if spec["method"] in ("ddp", "local") else {"inner_steps": spec["inner_steps"]}
+    outer = {}
+    if spec["method"] in ("noloco", "diloco"):  # None: the paper's default for the method
+        outer = {k: spec.get(k) for k in ("inner_steps", "outer_lr", "outer_momentum")}
+    if spec["method"] == "noloco":
+        outer.update(
+            outer_averaging=spec.get("outer_averaging"), gossip_group_size=spec.get("gossip_group_size", 2)
+        )
     args = NoLoCoConfig(
-        output_dir=out_dir, pipeline_stages=spec["pp"], outer_optimizer=spec["method"], routing=spec["routing"],
-        per_device_train_batch_size=spec["global_batch"] // spec["dp"], microbatch_size=spec["microbatch_size"],
-        per_device_eval_batch_size=spec["eval_batch"], learning_rate=spec["lr"], weight_decay=0.01,
-        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
-        warmup_steps=spec["warmup_steps"], max_grad_norm=1.0, max_steps=steps, logging_steps=spec["log_every"],
-        divergence_steps=spec["log_every"], eval_strategy="steps", eval_steps=spec["eval_every"],
-        eval_on_start=True, save_strategy="no", report_to="none", disable_tqdm=True, seed=spec["seed"],
-        data_seed=spec["seed"], p2p_timeout=300, **outer,
+        output_dir=out_dir,
+        pipeline_stages=spec["pp"],
+        outer_optimizer=spec["method"],
+        routing=spec["routing"],
+        per_device_train_batch_size=spec["global_batch"] // spec["dp"],
+        microbatch_size=spec["microbatch_size"],
+        per_device_eval_batch_size=spec["eval_batch"],
+        learning_rate=spec["lr"],
+        weight_decay=0.01,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        warmup_steps=spec["warmup_steps"],
+        max_grad_norm=1.0,
+        max_steps=steps,
+        logging_steps=spec["log_every"],
+        divergence_steps=spec["log_every"],
+        eval_strategy="steps",
+        eval_steps=spec["eval_every"],
+        eval_on_start=True,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=spec["seed"],
+        data_seed=spec["seed"],
+        p2p_timeout=300,
+        **outer,
     )
     config = LlamaConfig(**spec["model"], tie_word_embeddings=False)
     transformers.logging.set_verbosity_error()
@@ -141,40 +163,21 @@ def curves(history: list[dict], tokens_per_step: int, num_stages: int) -> dict:
     }
 
 
-def train_run(spec: dict, train, eval_) -> dict:
-    """Trains ``spec`` on ``dp * pp`` forked gloo processes and returns its curves (see the module doc)."""
+def train_history(spec: dict, train, eval_) -> tuple[list[dict], float]:
+    """Trains ``spec`` on ``dp * pp`` forked gloo processes; returns rank 0's Trainer log history (the raw
+    log: one dict per logging step and per evaluation) and the training wall time in seconds."""
     from hf_noloco.local_launch import run_distributed
 
     os.environ.setdefault("WANDB_MODE", "disabled")
     world = spec["dp"] * spec["pp"]
     with tempfile.TemporaryDirectory() as out_dir:
         results = run_distributed(_train_worker, world, spec, train, eval_, out_dir, timeout_s=600)
-    history, wall = results[0]
-    record = curves(history, spec["global_batch"] * spec["block_size"], spec["pp"])
-    record["wall_s"] = wall
-    return record
-
-
-def all_finite(values) -> bool:
-    return all(math.isfinite(v) for v in values)
+    return results[0]
 
 
 def count_parameters(model: dict) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**model, tie_word_embeddings=False)).parameters())
-
-
-def spread(series: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
-    """Point-wise mean, min and max of equally long curves (one per seed)."""
-    columns = list(zip(*series))
-    return ([sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns])
-
-
-def plot_band(ax, x, series, **style):
-    """A mean line over seeds with a shaded min-max band (no band for a single seed)."""
-    mean, low, high = spread(series)
-    (line,) = ax.plot(x, mean, **style)
-    if len(series) > 1:
-        ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-    return line
+    return sum(
+        p.numel() for p in LlamaForCausalLM(LlamaConfig(**model, tie_word_embeddings=False)).parameters()
+    )

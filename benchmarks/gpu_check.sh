@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Checks that need a GPU, one line of output per check. Run from the repository root on a machine with a GPU.
-set -euo pipefail
+# The GPU-only paths, on a machine with CUDA: one line per check (PASS / FAIL / SKIP).
+#   bash benchmarks/gpu_check.sh               # from the repository root
+# Writes benchmarks/results/gpu_check.json (engine checks) and benchmarks/results/gpu_memory_check.json (a
+# stage's peak memory and tokens/s against hf_noloco.memory's prediction). Exits non-zero if a check failed.
+set -u
 cd "$(dirname "$0")/.."
-mkdir -p benchmarks/results
-# Memory (issue 10): a stage on one GPU, tokens/s and peak memory against hf_noloco.memory's prediction.
-if [ -f benchmarks/gpu_memory_check.py ]; then
-    python benchmarks/gpu_memory_check.py --out benchmarks/results/gpu_memory_check.json
-fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+status=0
+python3 benchmarks/gpu_check.py "$@" || status=1
+python3 benchmarks/gpu_memory_check.py --out benchmarks/results/gpu_memory_check.json || status=1
+exit $status

@@ -209,8 +209,7 @@ def render_model_card(
     Args:
         output_dir: the exported checkpoint's folder.
         base_model: the Hub id or local folder the run started from, ``None`` for a model trained from
-        scratch.
-            Only a Hub id goes into the card's metadata (``base_model``).
+            scratch. Only a Hub id goes into the card's metadata (``base_model``).
         dataset: the training data (a Hub dataset id goes into the card's metadata too).
         settings: the run's settings (keys of :data:`SETTING_LABELS`), shown as a table; ``export_replica``
             (``None``: replica mean) says which weights were exported, ``export`` what was exported

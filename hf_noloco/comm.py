@@ -7,6 +7,7 @@ in flat buffers, built from consecutive tensors (:func:`consecutive_buckets`, :f
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -21,39 +22,71 @@ class PeerError(RuntimeError):
     """A peer did not answer within the deadline, or its connection broke."""
 
 
+def strict_p2p() -> bool:
+    """``HF_NOLOCO_STRICT_P2P=1``: wait for every posted batch, sends included, before posting the next.
+
+    gloo's sends wait for their receiver whatever their size, so this executes batches the way NCCL's stream
+    does: a plan that could deadlock on GPUs deadlocks (and fails with a timeout) in CPU tests too.
+    """
+    return os.environ.get("HF_NOLOCO_STRICT_P2P") == "1"
+
+
 def exchange(
     sends: Sequence[tuple[torch.Tensor, int]],
     recvs: Sequence[tuple[torch.Tensor, int]],
     timeout: float,
     describe_peer: Callable[[int], str] = lambda rank: f"rank {rank}",
     context: str = "",
-) -> list[dist.Work]:
-    """Posts every send and receive at once (``batch_isend_irecv``), waits for the receives and returns the
-    pending sends, which the caller must keep (with their tensors) until it waits on them with
-    :func:`wait_sends`. ``sends``/``recvs`` are ``(tensor, global peer rank)`` pairs; two messages to the same
-    peer arrive in the order they are listed."""
+) -> list[tuple[dist.Work, str]]:
+    """Posts every send and receive as one batch (``batch_isend_irecv``) and waits for the receives.
+
+    ``sends``/``recvs`` are ``(tensor, global peer rank)`` pairs; messages between two ranks arrive in the
+    order they are posted. Returns the sends still in flight as ``(Work, what it is)`` pairs: the caller keeps
+    the sent tensors alive until :func:`wait_sends` has waited for them. gloo returns one Work per operation;
+    NCCL one for the whole batch, which then completes (or fails, naming every peer of the batch) as a whole.
+    """
     ops = [dist.P2POp(dist.isend, tensor, peer) for tensor, peer in sends]
     ops += [dist.P2POp(dist.irecv, tensor, peer) for tensor, peer in recvs]
     if not ops:
         return []
     works = dist.batch_isend_irecv(ops)
-    send_works, recv_works = works[: len(sends)], works[len(sends) :]
-    for work, (_, peer) in zip(recv_works, recvs):
-        _wait(work, timeout, f"receiving from {describe_peer(peer)}", context)
-    return list(zip(send_works, [peer for _, peer in sends]))
+    if len(works) == len(ops):
+        send_works, recv_works = works[: len(sends)], works[len(sends) :]
+        for work, (_, peer) in zip(recv_works, recvs):
+            _wait(work, timeout, f"receiving from {describe_peer(peer)}", context)
+        pending = [(work, f"sending to {describe_peer(peer)}") for work, (_, peer) in zip(send_works, sends)]
+    else:
+        what = _batch_description(sends, recvs, describe_peer)
+        pending = [(work, what) for work in works]
+        if recvs:
+            wait_sends(pending, timeout, context)
+            pending = []
+    if strict_p2p():
+        wait_sends(pending, timeout, context)
+        pending = []
+    return pending
 
 
-def wait_sends(
-    pending, timeout: float, describe_peer: Callable[[int], str] = lambda r: f"rank {r}", context=""
-):
-    for work, peer in pending:
-        _wait(work, timeout, f"sending to {describe_peer(peer)}", context)
+def _batch_description(sends, recvs, describe_peer) -> str:
+    def peers(pairs):
+        return ", ".join(describe_peer(peer) for peer in dict.fromkeys(peer for _, peer in pairs))
+
+    parts = ([f"sends to {peers(sends)}"] if sends else []) + (
+        [f"receives from {peers(recvs)}"] if recvs else []
+    )
+    return "completing a batch of " + " and ".join(parts)
+
+
+def wait_sends(pending: Sequence[tuple[dist.Work, str]], timeout: float, context: str = "") -> None:
+    """Waits for what :func:`exchange` returned as still in flight."""
+    for work, action in pending:
+        _wait(work, timeout, action, context)
 
 
 def _wait(work: dist.Work, timeout: float, action: str, context: str) -> None:
     try:
         completed = work.wait(timeout=timedelta(seconds=timeout))
-    except RuntimeError as exc:  # gloo: timeout or a closed connection (the peer died)
+    except RuntimeError as exc:  # gloo: timeout or a closed connection (the peer died); NCCL: watchdog abort
         raise PeerError(
             f"{context}: failed {action} within p2p_timeout={timeout:g}s ({exc})".lstrip(": ")
         ) from exc
@@ -103,15 +136,19 @@ class PeerWatch:
             self._stop.wait(self.interval)
 
     def close(self) -> None:
+        """Stops the heartbeat and waits for its thread: a thread left inside a store call while the
+        interpreter exits can abort the process (SIGABRT) instead of letting it exit with its error."""
         self._stop.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10 * self.interval)
 
     def diagnose(
         self, message: str, describe: Callable[[int], str], find_lost: bool = True, timeout: float = 5.0
     ) -> str | None:
         """Records ``message`` (this rank's failure) and returns the job's first failure: ``message`` (plus
         the lost peers, with ``find_lost``) when this rank is the first, another rank's record otherwise;
-        ``None``
-        without a store."""
+        ``None`` without a store."""
         if self.store is None:
             return None
         try:
@@ -126,6 +163,33 @@ class PeerWatch:
             return self.store.get(key).decode(errors="replace")
         except Exception:  # noqa: BLE001 - the store is gone too
             return None
+
+    def hold_store_at_exit(self) -> None:
+        """When this process hosts the store (rank 0 launched without an elastic agent), it waits at exit,
+        after its error is out, until every other rank has recorded its own failure or stopped beating
+        (killed, frozen, gone), at most ``20 * interval`` seconds: ranks that fail a moment later (a peer's
+        diagnosis takes ``3 * interval``) still read the job's first failure from this store."""
+        hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if self.store is not None and self.rank == 0 and not hosted_by_agent:
+            atexit.register(self._hold_store, 20 * self.interval)
+
+    def _hold_store(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        others = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            while time.monotonic() < deadline:
+                before = {r: self.store.add(f"{self._prefix}/beat/{r}", 0) for r in others}
+                time.sleep(3 * self.interval)
+                others = [
+                    r
+                    for r in others
+                    if not self.store.check([f"{self._prefix}/failing/{r}"])
+                    and self.store.add(f"{self._prefix}/beat/{r}", 0) != before[r]
+                ]
+                if not others:
+                    return
+        except Exception:  # noqa: BLE001 - the store is failing too: nothing to hold
+            return
 
     def _lost_peers(self) -> list[int]:
         beats = lambda: [self.store.add(f"{self._prefix}/beat/{r}", 0) for r in range(self.world_size)]
@@ -152,6 +216,19 @@ def unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+# NCCL's watchdog acts on a group's timeout; our own waits give up after p2p_timeout and then name the lost
+# peer through the store, which takes a few seconds: the watchdog must come later.
+NCCL_WATCHDOG_MARGIN = 60.0
+
+
+def group_timeout(backend: str, seconds: float) -> timedelta:
+    """The timeout to give a process group whose collectives our waits bound by ``seconds``: the same for gloo
+    (its timeout is what our wait sees), ``seconds + NCCL_WATCHDOG_MARGIN`` for NCCL, whose watchdog would
+    otherwise abort the communicator before the lost-peer diagnosis runs."""
+    margin = NCCL_WATCHDOG_MARGIN if backend == "nccl" else 0.0
+    return timedelta(seconds=seconds + margin)
 
 
 def consecutive_buckets(sizes: Sequence[int], limit: float) -> list[list[int]]:

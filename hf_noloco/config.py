@@ -64,6 +64,11 @@ PAPER_DEFAULTS: dict[str, dict[str, float | int | None]] = {
     "diloco": {"inner_steps": 100, "outer_lr": 0.7, "outer_momentum": 0.3},
 }
 
+# NCCL's default error handling (1: tear down) kills the process within ~100 ms of a failed or timed-out
+# operation, before a NoLoCo rank can find and name the lost peer. 2 (clean up only) aborts the communicator
+# and raises in the waiting rank instead; a value already set by the user is kept.
+NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
 BUILTIN_DATASET = "builtin:python-docs"
 DATA_FILE_EXTENSIONS = (".txt", ".json", ".jsonl", ".parquet")
 
@@ -439,7 +444,8 @@ class NoLoCoConfig(TrainingArguments):
             Precision of the weights sent in an outer step: `"float32"` or `"bfloat16"` (half the bytes). The
             outer state itself (slow weights, momentum) always stays float32.
         offload_outer_state (`bool`, *optional*, defaults to `False`):
-            Keep slow weights and momentum on the CPU to save accelerator memory.
+            Keep slow weights and momentum in CPU memory (pinned when a GPU is present) to save accelerator
+            memory; they stay there through Accelerate's preparation of the optimizer and through a resume.
 
         > Memory and precision
 
@@ -536,6 +542,8 @@ class NoLoCoConfig(TrainingArguments):
         # setting must fail before that, on every rank alike.
         check_config(self)
         self.model_init_kwargs = check_model_init_kwargs(self.model_init_kwargs)
+        for name, value in NCCL_ENVIRONMENT.items():  # read when the NCCL group is made, just below
+            os.environ.setdefault(name, value)
         if self.routing_seed is None:
             self.routing_seed = self.seed
         self.ddp_timeout = max(int(self.ddp_timeout), int(self.p2p_timeout))

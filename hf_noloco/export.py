@@ -31,9 +31,10 @@ from .config import check_export_replica
 
 logger = logging.getLogger(__name__)
 
-# Mean-reduction happens in buckets of at most this many elements (in float32): one collective per bucket
-# instead of one per tensor, without a full float32 copy of a large stage.
-_BUCKET_NUMEL = 64 * 1024 * 1024
+# Mean-reduction happens in buckets of at most this many elements (in float32, 64 MiB): one collective per
+# bucket instead of one per tensor, and never more than one bucket on the accelerator beside the training
+# state.
+_BUCKET_NUMEL = 16 * 1024 * 1024
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -57,42 +58,43 @@ def consensus_state_dict(stage: nn.Module, mesh, replica: int | None = None) -> 
         stage: this rank's stage module.
         mesh: the :class:`~hf_noloco.mesh.PipelineMesh`.
         replica: ``None`` for the mean over replicas of every floating-point tensor (reduced in float32,
-        returned
-            in the tensor's own dtype); an index to take that replica's copy of every tensor (a broadcast).
+            returned in the tensor's own dtype); an index to take that replica's copy of every tensor.
 
     Returns:
-        ``{name: tensor}`` with this stage's state-dict names, detached copies on the communication device
-        (CPU for gloo, the stage's GPU for NCCL). The stage itself is not modified. A tied weight's second
-        copy (the stage's ``mirrored_names``) is left out: the stage that holds the first one exports it.
+        ``{name: CPU tensor}`` with this stage's state-dict names, in its order. Each bucket or tensor goes to
+        the CPU as soon as it is reduced, so the accelerator holds one bucket beside the training state. The
+        stage itself is not modified. A tied weight's second copy (the stage's ``mirrored_names``) is left
+        out: the stage that holds the first one exports it.
     """
     check_export_replica(replica, mesh.num_replicas)
     device = _comm_device(mesh)
     mirrored = getattr(stage, "mirrored_names", set())
-    state = {
-        name: t.detach().to(device, copy=True)
-        for name, t in stage.state_dict().items()
-        if name not in mirrored
-    }
+    own = {name: t.detach() for name, t in stage.state_dict().items() if name not in mirrored}
+    state = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in own.items()}  # filled below, on the CPU
     if mesh.num_replicas == 1:
+        for name, tensor in own.items():
+            state[name].copy_(tensor)
         return state
     group = mesh.replica_group
+
+    def take_from(src: int, names) -> None:
+        for name in names:
+            buffer = own[name].to(device, copy=True).contiguous()
+            dist.broadcast(buffer, src=src, group=group)
+            state[name].copy_(buffer)
+
     if replica is not None:
-        src = mesh.rank_of(replica, mesh.stage)
-        for tensor in state.values():
-            dist.broadcast(tensor, src=src, group=group)
+        take_from(mesh.rank_of(replica, mesh.stage), own)
         return state
-    floating = [name for name, t in state.items() if t.is_floating_point()]
-    for bucket in _buckets(floating, state):
+    floating = [name for name, t in own.items() if t.is_floating_point()]
+    for bucket in _buckets(floating, own):
         # One flat float32 buffer per bucket: fewer collectives, and bf16/fp16 weights are averaged without
         # rounding the partial sums.
-        tensors = [state[name] for name in bucket]
-        flat = flatten(tensors, torch.float32)
+        flat = flatten([own[name] for name in bucket], torch.float32).to(device)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        unflatten_into(tensors, flat.div_(mesh.num_replicas))
+        unflatten_into([state[name] for name in bucket], flat.div_(mesh.num_replicas))
     # Integer buffers (counters, ids) have no mean: every replica takes replica 0's copy, so all agree.
-    for tensor in state.values():
-        if not tensor.is_floating_point():
-            dist.broadcast(tensor, src=mesh.rank_of(0, mesh.stage), group=group)
+    take_from(mesh.rank_of(0, mesh.stage), [name for name, t in own.items() if not t.is_floating_point()])
     return state
 
 
@@ -129,11 +131,10 @@ def gather_full_state_dict(
     if rank != dst:
         if rank not in senders:
             return None
-        tensors = [(name, t.detach().to(device).contiguous()) for name, t in stage_state_dict.items()]
-        meta = [(name, tuple(t.shape), t.dtype) for name, t in tensors]
+        meta = [(name, tuple(t.shape), t.dtype) for name, t in stage_state_dict.items()]
         dist.send_object_list([meta], dst=dst, device=device)
-        for _, tensor in tensors:
-            dist.send(tensor, dst=dst)
+        for tensor in stage_state_dict.values():  # one tensor at a time on the communication device
+            dist.send(tensor.detach().to(device).contiguous(), dst=dst)
         return None
 
     merged: dict[str, torch.Tensor] = {}

@@ -9,6 +9,7 @@ replicas of the next stage, wherever they run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,13 @@ class PipelineMesh:
     device: torch.device
 
     @classmethod
-    def build(cls, pipeline_stages: int, device: torch.device | str | None = None) -> PipelineMesh:
-        """Builds the mesh over the default process group, which must already be initialised."""
+    def build(
+        cls, pipeline_stages: int, device: torch.device | str | None = None, timeout: float | None = None
+    ) -> PipelineMesh:
+        """Builds the mesh over the default process group, which must already be initialised. ``timeout``
+        (seconds) bounds the new groups' collectives; by default they get torch's default for the backend
+        (NCCL:
+        10 minutes), not the default group's."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: launch with `accelerate launch` or `torchrun`."
@@ -51,16 +57,17 @@ class PipelineMesh:
         world_size = dist.get_world_size()
         num_replicas, num_stages = mesh_shape(world_size, pipeline_stages)
         device = torch.device(device) if device is not None else _default_device()
+        group_timeout = None if timeout is None else timedelta(seconds=timeout)
         # Every rank must create every group in the same order (new_group is collective).
         replica_group = column_group = None
         for stage in range(num_stages):
             ranks = [rank_of(r, stage, num_stages) for r in range(num_replicas)]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=group_timeout)
             if dist.get_rank() in ranks:
                 replica_group = group
         for replica in range(num_replicas):
             ranks = [rank_of(replica, s, num_stages) for s in range(num_stages)]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=group_timeout)
             if dist.get_rank() in ranks:
                 column_group = group
         return cls(dist.get_rank(), world_size, num_stages, num_replicas, replica_group, column_group, device)

@@ -231,7 +231,7 @@ class OuterOptimizer(torch.optim.Optimizer):
                 mesh.describe_rank,
                 context,
             )
-            wait_sends(pending, self.p2p_timeout, mesh.describe_rank, context)
+            wait_sends(pending, self.p2p_timeout, context)
             self.bytes_sent += sum(_nbytes(t) for t in outgoing) * len(peers)
             self.bytes_received += sum(_nbytes(t) for bufs in incoming for t in bufs)
             # Finite checks ride on reductions we need anyway (one pass each, no temporaries): a NaN or inf

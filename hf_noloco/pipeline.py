@@ -1,4 +1,4 @@
-"""The pipeline schedule: one optimizer step of one stage replica, microbatch by microbatch.
+"""The pipeline engine: one optimizer step of one stage replica, microbatch by microbatch.
 
 Every rank of a replica column holds the same batch (the data is sharded by replica). A microbatch of
 ``M`` rows is computed as one tensor; at each stage boundary its rows are grouped by the replica of the
@@ -11,10 +11,12 @@ its labels, attention mask and position ids. The last stage weights each sample'
 mean of the replicas' gradients equals data parallel's gradient whatever the routing. Gradients go back
 along the same paths.
 
-Schedules: 1F1B (default; a stage holds at most ``num_stages - stage`` microbatches' activations) or GPipe
-(all forwards, then all backwards; holds every microbatch of the step). No forward is recomputed unless
-asked: activation checkpointing of the decoder layers (``PipelineStage.activation_checkpointing_enable``) and
-the chunked loss (``loss_chunk_tokens``) trade a recomputation for memory.
+The order of computes and messages is the plan of :mod:`hf_noloco.schedule` (1F1B by default, or GPipe),
+which batches every send with the receive the peer needs at the same moment, so that it cannot deadlock under
+NCCL; the engine runs that plan and nothing else. No forward is recomputed unless asked: activation
+checkpointing of the decoder layers (``PipelineStage.activation_checkpointing_enable``) and the chunked loss
+(``loss_chunk_tokens``) trade a recomputation for memory. Activations and gradients travel in ``wire_dtype``
+(bfloat16 under bf16 mixed precision: half the bytes) and are computed in the stage's dtype.
 """
 
 from __future__ import annotations
@@ -29,28 +31,10 @@ from .comm import exchange, wait_sends
 from .config import PIPELINE_SCHEDULES, check_choice, check_microbatch_size, check_positive_int
 from .mesh import PipelineMesh
 from .partition import PipelineStage, next_token_losses, target_token_count
-from .routing import Router, group_rows_by_peer
+from .routing import Router
+from .schedule import BACKWARD, FORWARD, Post, pipeline_order, routed_links, step_plan
 
 _META_FIXED = 2  # sample id, origin batch's target-token count; then labels, attention mask, positions
-
-
-def pipeline_order(schedule: str, num_micro: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
-    """The order in which ``stage`` runs the forward ("F") and backward ("B") of each microbatch.
-
-    ``gpipe``: every forward, then every backward. ``1f1b``: ``num_stages - stage - 1`` warm-up forwards, then
-    one forward and one backward in turn, then the remaining backwards; a stage then holds the activations of
-    at most ``num_stages - stage`` microbatches instead of all of them. Every replica of a stage runs the same
-    order, and both ends of every link see its messages in the same order, so routing cannot deadlock it.
-    """
-    check_choice("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
-    if schedule == "gpipe":
-        return [("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)]
-    warmup = min(num_stages - stage - 1, num_micro)
-    order = [("F", m) for m in range(warmup)]
-    for m in range(warmup, num_micro):
-        order += [("F", m), ("B", m - warmup)]
-    order += [("B", m) for m in range(num_micro - warmup, num_micro)]
-    return order
 
 
 @dataclass
@@ -78,7 +62,9 @@ class PipelineEngine:
         microbatch_size: rows per microbatch; the per-replica batch must be a multiple of it.
         p2p_timeout: seconds to wait for a peer before failing with an error that names it.
         autocast: a context manager factory wrapping each stage forward (e.g. bf16 autocast), or None.
-        schedule: ``"1f1b"`` (bounded activation memory) or ``"gpipe"``; see :func:`pipeline_order`.
+        schedule: ``"1f1b"`` (bounded activation memory) or ``"gpipe"``; see
+            :func:`~hf_noloco.schedule.pipeline_order`.
+        wire_dtype: the dtype activations and gradients travel in (default: the stage's own).
         loss_chunk_tokens: the last stage scores this many positions at a time, recomputing each chunk's
             logits in the backward pass, so it never holds a microbatch's full logits; ``None``: all at once
             (see :func:`~hf_noloco.partition.next_token_losses`).
@@ -94,6 +80,7 @@ class PipelineEngine:
         autocast=None,
         schedule: str = "1f1b",
         loss_chunk_tokens: int | None = None,
+        wire_dtype: torch.dtype | None = None,
     ):
         check_choice("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
         check_microbatch_size(microbatch_size, microbatch_size)
@@ -112,6 +99,7 @@ class PipelineEngine:
         self.peak_microbatches_held = 0  # of the last step: what bounds activation memory
         self.device = next(stage.parameters()).device
         self.activation_dtype = next(stage.parameters()).dtype
+        self.wire_dtype = wire_dtype or self.activation_dtype
         self.step_index = 0  # training steps run: the routing key of `step` granularity
         self.samples_seen = 0  # per-replica samples trained on: the routing key of `sample` granularity
 
@@ -155,64 +143,69 @@ class PipelineEngine:
     def _run(self, batch: dict[str, torch.Tensor], router: Router, micro: int, training: bool) -> StepResult:
         input_ids = batch["input_ids"]
         rows, seq_len = self._check_batch(batch, micro)
-        num_micro = rows // micro
-        meta = self._make_meta(batch, rows, seq_len) if self.stage.is_first else None
-        inputs, outputs, sends, sample_ids = {}, {}, [], []
-        loss = torch.zeros((), dtype=torch.float32, device=self.device) if self.stage.is_last else None
+        mesh, stage = self.mesh, self.stage
+        meta = self._make_meta(batch, rows, seq_len) if stage.is_first else None
+        inputs, outputs, sample_ids = {}, {}, []
+        outgoing, arrived, pending = {}, {}, []  # (phase, m) -> tensors to send / received; sends in flight
+        loss = torch.zeros((), dtype=torch.float32, device=self.device) if stage.is_last else None
         target_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
 
         def forward(m: int) -> None:
-            nonlocal loss, target_tokens
-            if self.stage.is_first:
+            nonlocal loss
+            if stage.is_first:
                 x, mb_meta = (
                     input_ids[m * micro : (m + 1) * micro].to(self.device),
                     meta[m * micro : (m + 1) * micro],
                 )
             else:
-                x, mb_meta = self._receive_forward(router, m, micro, seq_len)
-                x.requires_grad_(training)
+                x, mb_meta = arrived.pop((FORWARD, m))
+                x = x.to(self.activation_dtype).requires_grad_(training)
             sample_ids.append(mb_meta[:, 0])
             labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len)
             with self.autocast():
-                y = self.stage(x, attention_mask=attention_mask, position_ids=position_ids, logits=False)
-                if self.stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
-                    token_losses = next_token_losses(y, labels, self.stage.lm_head, self.loss_chunk_tokens)
-            if self.stage.is_last:
-                target_tokens += target_token_count(labels)
+                y = stage(x, attention_mask=attention_mask, position_ids=position_ids, logits=False)
+                if stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
+                    token_losses = next_token_losses(y, labels, stage.lm_head, self.loss_chunk_tokens)
+            if stage.is_last:
+                target_tokens.add_(target_token_count(labels))
                 if training:  # a sample's weight is 1 / (target tokens of the batch it came from)
                     y = (token_losses.sum(1) / mb_meta[:, 1].clamp(min=1)).sum()
                     loss += y.detach()
                 else:
                     loss += token_losses.sum()
             else:
-                sends.extend(
-                    self._send_forward(router, m, micro, y.detach().to(self.activation_dtype), mb_meta)
-                )
+                outgoing[FORWARD, m] = (y.detach().to(self.wire_dtype), mb_meta)
             if training:
                 inputs[m], outputs[m] = x, y
             self.peak_microbatches_held = max(self.peak_microbatches_held, len(outputs))
 
         def backward(m: int) -> None:
             x, y = inputs.pop(m), outputs.pop(m)  # dropping them frees the microbatch's activations
-            if self.stage.is_last:
+            if stage.is_last:
                 y.backward()
             else:
-                torch.autograd.backward(y, self._receive_backward(router, m, micro, y))
-            if not self.stage.is_first:
-                sends.extend(self._send_backward(router, m, micro, x.grad.to(self.activation_dtype)))
+                (grad,) = arrived.pop((BACKWARD, m))
+                torch.autograd.backward(y, grad.to(y.dtype))
+            if not stage.is_first:
+                outgoing[BACKWARD, m] = (x.grad.to(self.wire_dtype),)
 
         self.peak_microbatches_held = 0
-        order = (
-            pipeline_order(self.schedule, num_micro, self.mesh.num_stages, self.stage.stage_index)
-            if training
-            else [("F", m) for m in range(num_micro)]
+        order = pipeline_order(
+            self.schedule if training else "forward", rows // micro, mesh.num_stages, stage.stage_index
         )
-        for op, m in order:
-            if op == "F":
-                forward(m)
+        links = routed_links(
+            router, mesh.num_stages, mesh.stage, mesh.replica, self.step_index, self.samples_seen, micro
+        )
+        for item in step_plan(order, mesh.rank, stage.is_first, stage.is_last, links):
+            if isinstance(item, Post):
+                pending += self._post(item, outgoing, arrived, micro, seq_len)
+            elif item.phase == FORWARD:
+                forward(item.microbatch)
             else:
-                backward(m)
-        self._wait(sends, "step")
+                backward(item.microbatch)
+        wait_sends(
+            [work for work, _ in pending], self.p2p_timeout, self._context("the step's last sends", None)
+        )
         return StepResult(loss, target_tokens, sample_ids)
 
     def _check_batch(self, batch: dict[str, torch.Tensor], micro: int) -> tuple[int, int]:
@@ -248,88 +241,51 @@ class PipelineEngine:
 
     # ----------------------------------------------------------------------------------- communication
 
-    def _peers(
-        self, router: Router, boundary: int, m: int, micro: int, toward_next: bool
-    ) -> dict[int, list[int]]:
-        """``{global rank: rows}`` this replica exchanges with across ``boundary`` for microbatch ``m``."""
-        start = self.samples_seen + m * micro
-        samples = range(start, start + micro)
-        if toward_next:
-            replicas = router.destinations(boundary, self.step_index, samples, self.mesh.replica)
-            stage = boundary + 1
-        else:
-            replicas = router.sources(boundary, self.step_index, samples, self.mesh.replica)
-            stage = boundary
-        return {self.mesh.rank_of(r, stage): rows for r, rows in group_rows_by_peer(replicas).items()}
-
-    def _receive_forward(self, router, m, micro, seq_len):
-        groups = self._peers(router, self.stage.stage_index - 1, m, micro, toward_next=False)
-        hidden = self.stage.config.hidden_size
-        x = torch.empty(micro, seq_len, hidden, dtype=self.activation_dtype, device=self.device)
-        meta = torch.empty(micro, _META_FIXED + 3 * seq_len, dtype=torch.int64, device=self.device)
-        recvs, scatter = [], []
-        for peer, rows in groups.items():
-            if len(groups) == 1:  # one sender (always so with fixed routing): receive in place
-                recvs += [(x, peer), (meta, peer)]
-            else:
-                bufs = (x.new_empty(len(rows), *x.shape[1:]), meta.new_empty(len(rows), meta.shape[1]))
-                recvs += [(bufs[0], peer), (bufs[1], peer)]
-                scatter.append((rows, bufs))
-        exchange([], recvs, self.p2p_timeout, self.mesh.describe_rank, self._context("forward", m))
-        for rows, (xb, mb) in scatter:
-            index = torch.tensor(rows, device=self.device)
-            x.index_copy_(0, index, xb)
-            meta.index_copy_(0, index, mb)
-        return x, meta
-
-    def _send_forward(self, router, m, micro, y, meta):
-        groups = self._peers(router, self.stage.stage_index, m, micro, toward_next=True)
+    def _post(self, post: Post, outgoing: dict, arrived: dict, micro: int, seq_len: int) -> list:
+        """Posts one batch of the plan: the sends of the compute just done (from ``outgoing``) and the
+        receives of the next one, which it waits for and assembles into ``arrived``. Returns the sends still
+        in flight,
+        with the tensors that must stay alive until they have left."""
         sends = []
-        for peer, rows in groups.items():
-            if len(groups) == 1:
-                sends += [(y, peer), (meta, peer)]
-            else:
-                index = torch.tensor(rows, device=self.device)
-                sends += [(y.index_select(0, index), peer), (meta.index_select(0, index), peer)]
-        return self._post(sends, "forward", m)
+        for msg in post.sends:
+            tensors = outgoing[msg.phase, msg.microbatch]
+            if len(msg.rows) != micro:  # the rows routed to this peer
+                index = torch.tensor(msg.rows, device=self.device)
+                tensors = tuple(t.index_select(0, index) for t in tensors)
+            sends += [(t, msg.dst) for t in tensors]
+        recvs, parts = [], []
+        for msg in post.recvs:
+            buffers = self._receive_buffers(msg.phase, len(msg.rows), seq_len)
+            recvs += [(t, msg.src) for t in buffers]
+            parts.append((msg, buffers))
+        phase, m = (post.recvs or post.sends)[0].phase, (post.recvs or post.sends)[0].microbatch
+        in_flight = exchange(sends, recvs, self.p2p_timeout, self.mesh.describe_rank, self._context(phase, m))
+        for msg in post.sends:
+            outgoing.pop(
+                (msg.phase, msg.microbatch), None
+            )  # the pending sends below keep what is still needed
+        if parts:
+            arrived[parts[0][0].phase, parts[0][0].microbatch] = self._assemble(parts, micro)
+        return [(work, sends) for work in in_flight]
 
-    def _receive_backward(self, router, m, micro, output):
-        groups = self._peers(router, self.stage.stage_index, m, micro, toward_next=True)
-        grad = torch.empty(output.shape, dtype=self.activation_dtype, device=self.device)
-        recvs, scatter = [], []
-        for peer, rows in groups.items():
-            if len(groups) == 1:
-                recvs.append((grad, peer))
-            else:
-                buf = grad.new_empty(len(rows), *grad.shape[1:])
-                recvs.append((buf, peer))
-                scatter.append((rows, buf))
-        exchange([], recvs, self.p2p_timeout, self.mesh.describe_rank, self._context("backward", m))
-        for rows, buf in scatter:
-            grad.index_copy_(0, torch.tensor(rows, device=self.device), buf)
-        return grad.to(output.dtype)
-
-    def _send_backward(self, router, m, micro, grad):
-        groups = self._peers(router, self.stage.stage_index - 1, m, micro, toward_next=False)
-        if len(groups) == 1:
-            sends = [(grad, peer) for peer in groups]
-        else:
-            sends = [
-                (grad.index_select(0, torch.tensor(rows, device=self.device)), p)
-                for p, rows in groups.items()
-            ]
-        return self._post(sends, "backward", m)
-
-    def _post(self, sends, phase, m):
-        """Starts the sends; returns ``(pending send, tensor)`` pairs: a tensor must stay alive until its
-        message has left."""
-        pending = exchange(sends, [], self.p2p_timeout, self.mesh.describe_rank, self._context(phase, m))
-        return [(p, tensor) for p, (tensor, _) in zip(pending, sends)]
-
-    def _wait(self, sends, phase):
-        wait_sends(
-            [p for p, _ in sends], self.p2p_timeout, self.mesh.describe_rank, self._context(phase, None)
+    def _receive_buffers(self, phase: str, rows: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+        hidden = torch.empty(
+            rows, seq_len, self.stage.config.hidden_size, dtype=self.wire_dtype, device=self.device
         )
+        if phase != FORWARD:
+            return (hidden,)
+        return hidden, torch.empty(rows, _META_FIXED + 3 * seq_len, dtype=torch.int64, device=self.device)
+
+    def _assemble(self, parts: list, micro: int) -> tuple[torch.Tensor, ...]:
+        """The microbatch's tensors from the rows each peer sent (one peer: its message is the microbatch)."""
+        if len(parts) == 1:
+            return parts[0][1]
+        whole = tuple(t.new_empty(micro, *t.shape[1:]) for t in parts[0][1])
+        for msg, buffers in parts:
+            index = torch.tensor(msg.rows, device=self.device)
+            for target, buffer in zip(whole, buffers):
+                target.index_copy_(0, index, buffer)
+        return whole
 
     def _context(self, phase: str, m: int | None) -> str:
         # Steps count from 1 in messages, as the Trainer's global_step does once the step is done.

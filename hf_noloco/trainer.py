@@ -44,7 +44,7 @@ from transformers import (
 
 from . import adapters, checkpoint
 from .card import PLOT_FILE, plot_training_curves, render_model_card
-from .comm import PeerError, PeerWatch, wait_collective
+from .comm import PeerError, PeerWatch, group_timeout, wait_collective
 from .config import DataArguments, NoLoCoConfig
 from .export import gather_full_state_dict, save_consensus_checkpoint
 from .hub import check_hub_settings, push_folder_to_hub
@@ -129,7 +129,8 @@ class NoLoCoTrainer(Trainer):
                 "this model is already built: set its dtype and attention implementation on it directly."
             )
         _ensure_process_group(args)
-        self.mesh = PipelineMesh.build(args.pipeline_stages, device=args.device)
+        # Set-up (loading a stage, the first broadcast) may be slow on some nodes: ddp_timeout until training.
+        self.mesh = PipelineMesh.build(args.pipeline_stages, device=args.device, timeout=args.ddp_timeout)
         self.base_model = (
             model
             if isinstance(model, str)
@@ -176,6 +177,7 @@ class NoLoCoTrainer(Trainer):
             autocast=lambda: self.accelerator.autocast(),
             schedule=args.pipeline_schedule,
             loss_chunk_tokens=args.loss_chunk_tokens,
+            wire_dtype=torch.bfloat16 if args.bf16 else None,  # what autocast computes in: half the bytes
         )
         self.outer: OuterOptimizer | None = None
         self._train_stream: TokenStream | None = None  # this replica's shard of a streamed training set
@@ -192,6 +194,10 @@ class NoLoCoTrainer(Trainer):
         self._set_collective_timeout(args.p2p_timeout)
         self.watch = PeerWatch(self.mesh.rank, self.mesh.world_size)
         self.add_callback(_RunConfigCallback(self))
+        # Accelerate's prepared optimizer would round-trip the whole state dict through the accelerator at
+        # prepare time, slow weights and momentum included, which defeats offload_outer_state: each part of
+        # the state already lives where it belongs (the inner state beside its parameters).
+        self.accelerator.device_placement = False
 
     # ------------------------------------------------------------------------------------------- set-up
 
@@ -358,6 +364,9 @@ class NoLoCoTrainer(Trainer):
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         except Exception as exc:  # re-raised, with the job's first failure added
             error = self._with_root_cause(exc)
+            self.watch.close()  # the diagnosis is done: no more heartbeats, and a clean exit
+            if _is_communication_error(exc):
+                self.watch.hold_store_at_exit()
             if error is exc:
                 raise
             raise error from exc
@@ -771,10 +780,12 @@ class NoLoCoTrainer(Trainer):
     # --------------------------------------------------------------------------------- timeouts
 
     def _set_collective_timeout(self, seconds: float) -> None:
-        """Sets the timeout of every process group this rank uses. Groups made by ``new_group`` do not inherit
-        the default group's timeout (they get torch's 30 minutes), so each is set explicitly."""
+        """Sets the timeout of every process group this rank uses (see :func:`~hf_noloco.comm.group_timeout`:
+        under NCCL a margin beyond ``seconds``, so that our own bounded waits fail first and name the peer).
+        """
+        timeout = group_timeout(dist.get_backend(), seconds)
         for group in (None, self.mesh.replica_group, self.mesh.column_group):  # None: the default group
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
     @contextlib.contextmanager
     def _patient(self):

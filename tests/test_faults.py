@@ -314,10 +314,8 @@ def test_nonfinite_loss_stops_the_run_naming_step_stage_and_replica(tmp_path, re
     message = f"Step 6: a non-finite loss (nan) on stage 1, replica 1 ({DESCRIBE[3].split(' (')[0]})"
     for r in (2, 3):  # replica 1's column stops at once with the error
         assert "FloatingPointError: " + message in logs[r], logs[r][-3000:]
-    for r in (
-        0,
-        1,
-    ):  # replica 0's column: its own error (the NaN's gradients reached it) or the first failure
+    # Replica 0's column: its own error (the NaN's gradients reached it) or the first failure.
+    for r in (0, 1):
         assert "Step 6" in logs[r] and "non-finite" in logs[r], logs[r][-3000:]
     # The last good checkpoint is intact and no later one was started.
     assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == ["checkpoint-4"]

@@ -1,6 +1,7 @@
 """The pipeline engine on real gloo processes, against the unsplit model computed in this process."""
 
 import itertools
+import os
 import time
 
 import pytest
@@ -13,15 +14,19 @@ from hf_noloco.config import PIPELINE_SCHEDULES as SCHEDULES
 from hf_noloco.local_launch import run_distributed
 from hf_noloco.mesh import PipelineMesh
 from hf_noloco.partition import split_model
-from hf_noloco.pipeline import PipelineEngine, pipeline_order
+from hf_noloco.pipeline import PipelineEngine
 from hf_noloco.routing import Router
+from hf_noloco.schedule import pipeline_order
 
 ROWS_PER_REPLICA, SEQ, MICRO, START = 6, 10, 2, 8
 
 
-def _run_engine(pp, layers, boundaries, routings):
+def _run_engine(pp, layers, boundaries, routings, strict=False, wire_dtype=None):
     """Each rank: identical model weights, its column's shard of one global batch, one train step per
-    (routing, schedule). Returns the loss, the gradients and the sample ids seen, per routing and schedule."""
+    (routing, schedule). Returns the loss, the gradients and the sample ids seen, per routing and schedule.
+    ``strict``: every posted batch is waited for before the next (NCCL's stream order: comm.strict_p2p)."""
+    if strict:
+        os.environ["HF_NOLOCO_STRICT_P2P"] = "1"
     mesh = PipelineMesh.build(pp)
     model = tiny_model("llama", layers, seed=5)
     stage = split_model(model, mesh.stage, pp, boundaries)
@@ -39,6 +44,7 @@ def _run_engine(pp, layers, boundaries, routings):
                 MICRO,
                 p2p_timeout=30,
                 schedule=schedule,
+                wire_dtype=wire_dtype,
             )
             engine.samples_seen, engine.step_index = START, 3
             result = engine.train_step(batch)
@@ -73,6 +79,7 @@ def _reference(layers, num_replicas):
     return losses, grads, mean_grads, sums
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["", "strict"])
 @pytest.mark.parametrize(
     "pp, dp, layers, boundaries, routings",
     [
@@ -81,8 +88,8 @@ def _reference(layers, num_replicas):
         (3, 2, 5, [1, 4], ["fixed", "sample", "step"]),  # uneven 1/3/1
     ],
 )
-def test_routing_does_not_change_the_mathematics(pp, dp, layers, boundaries, routings):
-    results = run_distributed(_run_engine, pp * dp, pp, layers, boundaries, routings, timeout_s=120)
+def test_routing_does_not_change_the_mathematics(pp, dp, layers, boundaries, routings, strict):
+    results = run_distributed(_run_engine, pp * dp, pp, layers, boundaries, routings, strict, timeout_s=120)
     losses, grads, mean_grads, sums = _reference(layers, dp)
     router_of = {r: Router(dp, r, seed=11) for r in routings}
     for routing, schedule in itertools.product(routings, SCHEDULES):
@@ -125,6 +132,28 @@ def test_routing_does_not_change_the_mathematics(pp, dp, layers, boundaries, rou
                 loss_sum, tokens = replicas[r]["evaluated"]
                 assert tokens == sums[r][1]
                 assert loss_sum == pytest.approx(sums[r][0], rel=1e-5)
+
+
+def test_a_bf16_wire_keeps_the_gradients_to_bf16_tolerance():
+    """Under bf16 mixed precision activations and gradients travel as bfloat16: the gradients then differ from
+    the float32 wire's by bfloat16 rounding at each boundary, not more."""
+    exact = run_distributed(_run_engine, 4, 2, 4, None, ["sample"], False, None, timeout_s=120)
+    rounded = run_distributed(_run_engine, 4, 2, 4, None, ["sample"], False, torch.bfloat16, timeout_s=120)
+    for (stage, replica, a), (_, _, b) in zip(exact, rounded):
+        for key in a:
+            for name, grad in a[key]["grads"].items():
+                other = b[key]["grads"][name]
+                error = (other - grad).norm() / grad.norm()
+                assert error < 2e-2, (stage, replica, key, name, error)
+            if stage == 1:
+                assert b[key]["loss"] == pytest.approx(a[key]["loss"], rel=1e-2)
+    differs = [
+        not torch.equal(b[k]["grads"][n], a[k]["grads"][n])
+        for (_, _, a), (_, _, b) in zip(exact, rounded)
+        for k in a
+        for n in a[k]["grads"]
+    ]
+    assert any(differs)  # the rounding really happened on the wire
 
 
 def _silent_peer(p2p_timeout):

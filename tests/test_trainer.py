@@ -212,6 +212,49 @@ def test_resume_continues_exactly(tmp_path, tied):
     assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-12", "checkpoint-6"]
 
 
+def _offloaded_outer_state(out):
+    from hf_noloco.outer import OuterOptimizer
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    round_trips = []
+    state_dict = OuterOptimizer.state_dict
+    OuterOptimizer.state_dict = lambda self: round_trips.append(1) or state_dict(self)
+
+    def placement(trainer):
+        return {(t.device.type, t.is_pinned()) for t in trainer.outer._phi_flat + trainer.outer._delta_flat}
+
+    args = dict(
+        pipeline_stages=1,
+        offload_outer_state=True,
+        max_steps=2,
+        eval_strategy="no",
+        inner_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+    )
+    trainer = NoLoCoTrainer(byte_config(), make_args(out, **args), train_dataset=byte_corpus(64))
+    trainer.create_optimizer()
+    trainer.accelerator.prepare(trainer.optimizer)  # as the Trainer prepares it when training starts
+    found = {"created": placement(trainer), "round_trips_at_prepare": len(round_trips)}
+    trainer.train()
+    resumed = NoLoCoTrainer(
+        byte_config(), make_args(out, **{**args, "max_steps": 3}), train_dataset=byte_corpus(64)
+    )
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    found["resumed"] = placement(resumed)
+    resumed.end()
+    return found
+
+
+def test_offloaded_outer_state_stays_on_the_cpu_pinned(tmp_path):
+    """offload_outer_state keeps phi and delta in CPU memory (pinned when a GPU is there to copy them to):
+    Accelerate's prepared optimizer must not round-trip them through the accelerator, nor must a resume."""
+    for found in run_distributed(_offloaded_outer_state, 2, str(tmp_path), timeout_s=120):
+        where = {("cpu", torch.cuda.is_available())}
+        assert found["created"] == where and found["resumed"] == where
+        assert found["round_trips_at_prepare"] == 0
+
+
 def _finetune(path, eval_rows):
     from hf_noloco.trainer import NoLoCoTrainer
 

@@ -1,0 +1,290 @@
+"""The GPU-only paths, checked on a machine with CUDA: one line per check, PASS / FAIL / SKIP.
+
+    bash benchmarks/gpu_check.sh                 # everything this machine's GPUs allow
+    python benchmarks/gpu_check.py --device cpu  # the same checks on CPU processes (gloo): keeps the script
+    honest
+
+One GPU: a pp=1 run in bf16 with the outer state offloaded (where every tensor lives, that the loss falls,
+that slow weights and momentum stay in pinned CPU memory, also after a resume), and the export (one checkpoint
+that reloads and reproduces the trained stage's logits). Two GPUs or more: pp=2 with the 1f1b schedule and
+messages of 16 MiB and more (the size at which NCCL's sends wait for their receiver: the schedule's batching
+is what keeps it from deadlocking), then a rank killed mid-training, which the other must report, naming it,
+within p2p_timeout. Writes benchmarks/results/gpu_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
+
+
+def _model_config(hidden: int, layers: int, vocab: int = 512):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
+def _corpus(rows: int, seq: int, vocab: int = 512):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    # A learnable sequence: each token predicts the next (t -> t + 1), so the loss must fall.
+    starts = torch.randint(0, vocab, (rows, 1), generator=g)
+    ids = ((starts + torch.arange(seq)) % vocab).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def _args(out: str, device: str, **overrides):
+    from hf_noloco.config import NoLoCoConfig
+
+    settings = dict(
+        output_dir=out,
+        per_device_train_batch_size=8,
+        microbatch_size=4,
+        learning_rate=3e-3,
+        warmup_steps=0,
+        lr_scheduler_type="constant",
+        max_steps=12,
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=device == "cpu",
+        bf16=device == "cuda",
+        seed=0,
+    )
+    settings.update(overrides)
+    return NoLoCoConfig(**settings)
+
+
+# ------------------------------------------------------------------------------------------- one process
+
+
+def single_process_checks(device: str, out: str) -> list[tuple[str, bool, str]]:
+    """pp=1: placement, bf16, offload, resume, export. Returns (check, passed, detail) rows."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    rows = []
+    data = _corpus(64, 128)
+    run = dict(
+        outer_optimizer="diloco", inner_steps=4, offload_outer_state=True, save_strategy="steps", save_steps=8
+    )
+    trainer = NoLoCoTrainer(_model_config(256, 2), _args(out, device, **run), train_dataset=data)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    stage_device = {p.device.type for p in trainer.model.parameters()}
+    rows.append(("pp=1 run", losses[-1] < 0.85 * losses[0], f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"))
+    rows.append(("stage on the device", stage_device == {device}, f"parameters on {sorted(stage_device)}"))
+    inner = {t.device.type for state in trainer.optimizer.state.values() for t in state.values() if t.dim()}
+    rows.append(("inner optimizer state beside its parameters", inner == {device}, f"on {sorted(inner)}"))
+    pinned = device == "cuda"
+    outer = {(t.device.type, t.is_pinned()) for t in trainer.outer._phi_flat + trainer.outer._delta_flat}
+    rows.append(("offloaded outer state", outer == {("cpu", pinned)}, f"(device, pinned) = {sorted(outer)}"))
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        rows.append(("bf16 autocast", trainer.args.bf16, f"peak GPU memory {peak:.0f} MiB"))
+    resumed = NoLoCoTrainer(
+        _model_config(256, 2), _args(out, device, **{**run, "max_steps": 10}), train_dataset=data
+    )
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-8"))
+    outer = {(t.device.type, t.is_pinned()) for t in resumed.outer._phi_flat + resumed.outer._delta_flat}
+    rows.append(("offloaded outer state after a resume", outer == {("cpu", pinned)}, f"{sorted(outer)}"))
+
+    export = os.path.join(out, "export")
+    resumed.save_model(export)
+    model = AutoModelForCausalLM.from_pretrained(export).to(device)
+    ids = torch.tensor([data[0]["input_ids"][:64]], device=device)
+    with torch.no_grad():
+        expected = resumed.model(ids).float()
+        got = model(ids).logits.float()
+    error = (got - expected).abs().max().item()
+    rows.append(("export reloads and reproduces the stage's logits", error < 1e-3, f"max |diff| {error:.2e}"))
+    resumed.end()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ several ranks
+
+
+def pipeline_worker(out: str, device: str, kill_rank: int | None) -> None:
+    """One rank of a pp=2 run (under torchrun). With ``kill_rank``, that rank kills itself at step 3."""
+    from transformers import TrainerCallback
+
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    world = int(os.environ["WORLD_SIZE"])
+    # 16 MiB messages on a GPU (bf16: rows 8 x 1024 tokens x hidden 1024 x 2 bytes); small ones on CPU.
+    hidden, seq, micro = (1024, 1024, 8) if device == "cuda" else (64, 64, 2)
+    routing = "sample" if world >= 4 else "fixed"
+    args = _args(
+        out,
+        device,
+        pipeline_stages=2,
+        per_device_train_batch_size=4 * micro,
+        microbatch_size=micro,
+        pipeline_schedule="1f1b",
+        routing=routing,
+        outer_optimizer="local",
+        max_steps=6,
+        p2p_timeout=10,
+    )
+    trainer = NoLoCoTrainer(_model_config(hidden, 4), args, train_dataset=_corpus(64 * micro, seq))
+
+    class Kill(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3 and trainer.mesh.rank == kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer.add_callback(Kill())
+    start = time.monotonic()
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if trainer.mesh.rank == 0:
+        print(
+            f"GPU_CHECK_RESULT {json.dumps({'losses': losses, 'seconds': time.monotonic() - start})}",
+            flush=True,
+        )
+    trainer.end()
+
+
+def multi_process_checks(device: str, nproc: int, out: str) -> list[tuple[str, bool, str]]:
+    rows = []
+    base = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        __file__,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    done = subprocess.run(
+        [*base, "--worker", "--device", device, "--out", os.path.join(out, "pp2")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    result = [line for line in done.stdout.splitlines() if line.startswith("GPU_CHECK_RESULT ")]
+    if done.returncode == 0 and result:
+        record = json.loads(result[0].split(" ", 1)[1])
+        first, last = record["losses"][0], record["losses"][-1]
+        detail = f"{nproc} ranks, 6 steps in {record['seconds']:.1f} s, loss {first:.3f} -> {last:.3f}"
+        rows.append(("pp=2 1f1b with large messages completes", True, detail))
+    else:
+        rows.append(("pp=2 1f1b with large messages completes", False, done.stderr[-1500:]))
+    # Plain processes, no launcher agent (which would stop the survivors itself): their own waits must find
+    # the dead peer and say which it is.
+    from hf_noloco.local_launch import free_port
+
+    port, start, procs = free_port(), time.monotonic(), []
+    for rank in range(nproc):
+        rank_env = dict(
+            env,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--device",
+            device,
+            "--out",
+            os.path.join(out, "kill"),
+            "--kill-rank",
+            "1",
+        ]
+        procs.append(
+            subprocess.Popen(
+                command, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    seconds = time.monotonic() - start
+    survivors = [r for r in range(nproc) if r != 1]
+    named = all("rank 1 (stage 1, replica 0)" in logs[r] for r in survivors)
+    failed = all(procs[r].returncode not in (0, None) for r in survivors)
+    rows.append(
+        (
+            "a killed rank ends the job, named by every survivor",
+            failed and named,
+            f"exit codes {[p.returncode for p in procs]} after {seconds:.0f} s",
+        )
+    )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--out", help="working folder (default: a temporary one)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-save", action="store_true", help="do not write benchmarks/results/gpu_check.json"
+    )
+    args = parser.parse_args()
+    if args.worker:
+        pipeline_worker(args.out, args.device, args.kill_rank)
+        return 0
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and gpus == 0:
+        print("SKIP every check: no CUDA device (run with --device cpu to check the same paths on CPU)")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or tmp
+        rows = single_process_checks(args.device, os.path.join(out, "single"))
+        if args.device == "cpu" or gpus >= 2:
+            nproc = 2 if args.device == "cpu" else (4 if gpus >= 4 else 2)
+            rows += multi_process_checks(args.device, nproc, out)
+        else:
+            rows.append(("pp=2 and a killed rank", None, "need 2 GPUs or more"))
+    for check, passed, detail in rows:
+        print(f"{'SKIP' if passed is None else 'PASS' if passed else 'FAIL'} {check}: {detail}", flush=True)
+    if not args.no_save:
+        device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+        record = {
+            "device": device,
+            "gpus": gpus,
+            "torch": torch.__version__,
+            "checks": [{"check": c, "passed": p, "detail": d} for c, p, d in rows],
+        }
+        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+        with open(RESULTS, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0 if all(p is not False for _, p, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
