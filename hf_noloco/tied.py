@@ -59,7 +59,7 @@ class TiedEmbeddings:
         pending = exchange(
             [(mine, self.peer)], [(theirs, self.peer)], self.p2p_timeout, self.mesh.describe_rank, context
         )
-        wait_sends(pending, self.p2p_timeout, self.mesh.describe_rank, context)
+        wait_sends(pending, self.p2p_timeout, context)
         return theirs
 
     @torch.no_grad()
