@@ -302,12 +302,24 @@ class NoLoCoTrainer(Trainer):
     # ---------------------------------------------------------------------------------------- training
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """The Trainer's ``train``. ``resume_from_checkpoint`` is a checkpoint folder or ``True`` (the newest
+        checkpoint in ``output_dir`` that verifies); either way every file a rank reads is checked against the
+        checkpoint's checksums on every rank before any rank trains."""
         if not resume_from_checkpoint and checkpoint.checkpoints_in(self.args.output_dir):
             raise ValueError(
                 f"{self.args.output_dir} already holds checkpoints of a run. Resume it with "
                 "resume_from_checkpoint=True, or choose another output_dir."
             )
         try:
+            if resume_from_checkpoint:
+                with self._patient():  # hashing a large checkpoint may take longer than p2p_timeout
+                    resume_from_checkpoint = checkpoint.resolve_resume(
+                        self.args.output_dir, resume_from_checkpoint, self.mesh
+                    )
+                if resume_from_checkpoint is None:
+                    raise ValueError(
+                        f"resume_from_checkpoint=True: {self.args.output_dir} holds no checkpoint."
+                    )
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         except Exception as exc:  # re-raised, with the job's first failure added
             error = self._with_root_cause(exc)
@@ -507,7 +519,7 @@ class NoLoCoTrainer(Trainer):
                 save_total_limit=self.args.save_total_limit,
             )
 
-    def _write_rank_state(self, folder: str) -> None:
+    def _write_rank_state(self, folder: str) -> list[str]:
         pipeline_state = {"engine": self.engine.state_dict(), "tokens_seen": self.tokens_seen}
         if self._train_stream is not None:
             pipeline_state["stream"] = self._train_stream.state_dict()
@@ -520,6 +532,8 @@ class NoLoCoTrainer(Trainer):
             trainable_only=self.peft_config is not None,
         )
         self._save_rng_state(folder)
+        # The Trainer's name for this process's RNG file (beside the rank folders): recorded in its checksums.
+        return ["rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"]
 
     def _write_run_state(self, folder: str) -> None:
         for callback in self.callback_handler.callbacks + [self.control]:

@@ -10,9 +10,9 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), or call :func:`run` in a process whos
     stop-log    SIGSTOP at the end of ``step``, before the step's logging collectives (a hung machine)
     nan-loss    the stage output of one microbatch of ``step`` becomes NaN (use on the last stage)
     nan-grad    one gradient entry becomes NaN after the backward of ``step``
-``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds) and ``RESUME`` (1: from the last checkpoint) set the
-run. Each rank writes ``pid-rank{r}`` at start and ``result-rank{r}.pt`` (losses, weights, counters) at the
-end.
+``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds) and ``RESUME`` (1: from the newest intact checkpoint;
+any other value: that checkpoint folder) set the run. Each rank writes ``pid-rank{r}`` at start and
+``result-rank{r}.pt`` (losses, weights, counters) at the end.
 """
 
 import os
@@ -181,7 +181,8 @@ def run(out: str) -> None:
     )
     trainer = NoLoCoTrainer(byte_config(), args, train_dataset=byte_corpus(128))
     install_fault(trainer, dist.get_rank())
-    trainer.train(resume_from_checkpoint=True if os.environ.get("RESUME") == "1" else None)
+    resume = os.environ.get("RESUME") or None
+    trainer.train(resume_from_checkpoint=True if resume == "1" else resume)
     inner = trainer.outer.inner
     torch.save(
         {

@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,7 +155,8 @@ def assert_survivors_name_the_victim(codes, times, logs, victim):
 
 
 def assert_resume_reproduces(reference, out):
-    """Resuming the faulty run's output_dir (the last complete checkpoint) ends where the reference ended."""
+    """Resuming the faulty run's output_dir (the last complete checkpoint) ends where the reference ended.
+    Returns the resumed run's logs."""
     _, straight = reference
     codes, _, logs, resumed = launch(out, RESUME="1")
     assert codes == [0] * WORLD, logs
@@ -164,6 +166,7 @@ def assert_resume_reproduces(reference, out):
         assert resumed[r]["outer_steps"] == straight[r]["outer_steps"] == 2
         for name, tensor in straight[r]["weights"].items():
             assert torch.equal(resumed[r]["weights"][name], tensor), (r, name)
+    return logs
 
 
 def _digest(folder):
@@ -283,6 +286,81 @@ def test_torchrun_ends_the_whole_job_when_a_rank_is_killed(tmp_path):
     for r in range(WORLD):
         pid = int((out / f"pid-rank{r}").read_text())
         assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z", r  # gone (or a zombie being reaped)
+
+
+# ----------------------------------------------------------------------------------- damaged checkpoints
+
+
+def _copy_of_reference(reference, out):
+    """The reference run's output_dir (checkpoints 4 and 8), without its logs and results."""
+    shutil.copytree(
+        reference[0], out, ignore=shutil.ignore_patterns("log-rank*", "result-rank*", "pid-rank*")
+    )
+
+
+def _truncate(path):
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _flip_one_bit(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x08  # deep inside the tensors: the file still parses
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, victim, reason",
+    [
+        (
+            _truncate,
+            "stage-1-replica-1/model.safetensors",
+            r"\d+ bytes, the checksum record says \d+ \(truncated\)",
+        ),
+        (
+            _flip_one_bit,
+            "stage-0-replica-1/optimizer.pt",
+            r"its SHA-256 differs from the checksum record \(the content changed\)",
+        ),
+    ],
+    ids=["truncated", "bit-flipped"],
+)
+def test_damaged_newest_checkpoint_is_named_skipped_and_the_previous_resumes_exactly(
+    tmp_path, reference, damage, victim, reason
+):
+    out = tmp_path / "run"
+    _copy_of_reference(reference, out)
+    damage(out / "checkpoint-8" / victim)
+    logs = assert_resume_reproduces(reference, out)  # from checkpoint-4: steps 5-8 recomputed, bit for bit
+    skipped = re.compile(rf"Skipping {re.escape(str(out))}/checkpoint-8: checkpoint-8/{victim}: {reason}\.")
+    for r in range(WORLD):  # every rank says why, though only the victim's owner read the file
+        assert skipped.search(logs[r]), (r, logs[r][-3000:])
+        assert f"Resuming from {out}/checkpoint-4, the newest checkpoint that verifies" in logs[r]
+    # The damaged checkpoint is kept aside, out of the rotation; the run wrote a new, intact checkpoint-8.
+    assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == [
+        "checkpoint-4",
+        "checkpoint-8",
+        "skipped-checkpoint-8",
+    ]
+    assert _checkpoint_weights(out / "checkpoint-8") == _checkpoint_weights(reference[0] / "checkpoint-8")
+
+
+def test_damaged_explicit_checkpoint_is_a_one_line_error_on_every_rank_before_training(tmp_path, reference):
+    """Only rank 3 reads the damaged file, yet every rank refuses: none may train while another refuses."""
+    out = tmp_path / "run"
+    _copy_of_reference(reference, out)
+    _truncate(out / "checkpoint-4" / "stage-1-replica-1" / "pipeline.pt")
+    codes, _, logs, _ = launch(out, RESUME=str(out / "checkpoint-4"))
+    assert codes == [1] * WORLD, logs
+    error = (
+        f"ValueError: Cannot resume {out}/checkpoint-4: checkpoint-4/stage-1-replica-1/pipeline.pt: "
+        "{} bytes, the checksum record says {} (truncated)"
+    )
+    size = (out / "checkpoint-4" / "stage-1-replica-1" / "pipeline.pt").stat().st_size
+    written = (reference[0] / "checkpoint-4" / "stage-1-replica-1" / "pipeline.pt").stat().st_size
+    for r in range(WORLD):
+        assert error.format(size, written) + "\n" in logs[r], (r, logs[r][-3000:])
+        assert "'loss'" not in logs[r]  # no rank trained a step
+    assert _checkpoint_weights(out / "checkpoint-8") == _checkpoint_weights(reference[0] / "checkpoint-8")
 
 
 # --------------------------------------------------------------------------------------------- hung rank
