@@ -319,7 +319,11 @@ def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh) -> s
         if problems:
             raise ValueError(f"Cannot resume {requested}: " + "; ".join(problems))
         return requested
-    candidates = completed_checkpoints(run_dir)
+    # Rank 0's listing for all: ranks that saw different folders (a slow shared filesystem) would otherwise
+    # call different numbers of collectives. A checkpoint a rank cannot see fails its check there.
+    box = [completed_checkpoints(run_dir) if mesh.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    candidates = box[0]
     skipped = []
     for candidate in candidates:
         problems = agreed_problems(candidate, mesh)

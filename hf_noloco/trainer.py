@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback, default_data_collator
 
-from . import adapters, checkpoint
+from . import adapters, checkpoint, elastic
 from .card import PLOT_FILE, plot_training_curves, render_model_card
 from .comm import PeerError, PeerWatch, group_timeout, wait_collective
 from .config import DataArguments, NoLoCoConfig
@@ -304,7 +304,19 @@ class NoLoCoTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """The Trainer's ``train``. ``resume_from_checkpoint`` is a checkpoint folder or ``True`` (the newest
         checkpoint in ``output_dir`` that verifies); either way every file a rank reads is checked against the
-        checkpoint's checksums on every rank before any rank trains."""
+        checkpoint's checksums on every rank before any rank trains.
+
+        Workers that a launcher restarted after a worker of the job failed (``torchrun --max-restarts N``,
+        ``accelerate launch --max_restarts N``) resume from the newest intact checkpoint in ``output_dir`` by
+        themselves, or start over when the failed attempt saved none."""
+        restarted = not resume_from_checkpoint and _agreed_restart()
+        if restarted:
+            logger.warning(
+                "%s: a restart of this job: resuming from the newest intact checkpoint in %s, if any.",
+                self.mesh.describe(),
+                self.args.output_dir,
+            )
+            resume_from_checkpoint = True
         if not resume_from_checkpoint and checkpoint.checkpoints_in(self.args.output_dir):
             raise ValueError(
                 f"{self.args.output_dir} already holds checkpoints of a run. Resume it with "
@@ -316,9 +328,16 @@ class NoLoCoTrainer(Trainer):
                     resume_from_checkpoint = checkpoint.resolve_resume(
                         self.args.output_dir, resume_from_checkpoint, self.mesh
                     )
-                if resume_from_checkpoint is None:
+                if resume_from_checkpoint is None and not restarted:  # a restart before any save starts over
                     raise ValueError(
                         f"resume_from_checkpoint=True: {self.args.output_dir} holds no checkpoint."
+                    )
+                if restarted and self.mesh.rank == 0:
+                    logger.warning(
+                        "Restarted job: %s",
+                        f"resuming {resume_from_checkpoint}."
+                        if resume_from_checkpoint
+                        else "no checkpoint yet, starting over.",
                     )
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         except Exception as exc:  # re-raised, with the job's first failure added
@@ -795,6 +814,16 @@ def _ensure_process_group(args: NoLoCoConfig) -> None:
             world_size=1,
             timeout=timedelta(seconds=args.ddp_timeout),
         )
+
+
+def _agreed_restart() -> bool:
+    """Whether a launcher's agent restarted this job's workers, the same answer on every rank: each agent
+    counts its own restarts, so one node's workers may not know that the job restarted (elastic.py)."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) == 0:
+        return False  # no agent that restarts workers: no collective
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, elastic.is_restart())
+    return any(views)
 
 
 def _is_communication_error(exc: BaseException) -> bool:

@@ -3,7 +3,7 @@
 Run it as a script under a launcher (``torchrun ... fault_train.py OUT``, or plain processes with RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), or call :func:`run` in a process whose gloo group is already up.
 
-``FAULT=kind:step:rank`` picks the fault (none if unset):
+``FAULT=kind:step:rank`` picks the fault (none if unset; never in workers that a launcher restarted):
     kill-step   SIGKILL in the forward of the second microbatch of ``step``
     kill-outer  SIGKILL inside the outer sync after ``step``, as it starts the exchange with its partner
     kill-save   SIGKILL while writing this rank's shard of checkpoint-``step`` (model written, optimizer not)
@@ -72,9 +72,11 @@ class StopAtStepEnd(TrainerCallback):
 
 
 def install_fault(trainer, rank: int) -> None:
+    from hf_noloco import elastic
+
     spec = os.environ.get("FAULT")
-    if not spec:
-        return
+    if not spec or elastic.is_restart():
+        return  # a fault strikes the first attempt only, not the workers a launcher restarts
     kind, step, victim = spec.split(":")
     step, victim = int(step), int(victim)
     if rank != victim:

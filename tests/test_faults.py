@@ -157,16 +157,22 @@ def assert_survivors_name_the_victim(codes, times, logs, victim):
 def assert_resume_reproduces(reference, out):
     """Resuming the faulty run's output_dir (the last complete checkpoint) ends where the reference ended.
     Returns the resumed run's logs."""
-    _, straight = reference
     codes, _, logs, resumed = launch(out, RESUME="1")
     assert codes == [0] * WORLD, logs
+    assert_same_as_reference(reference, resumed)
+    return logs
+
+
+def assert_same_as_reference(reference, resumed):
+    """The losses of steps 1-8 (1-4 from the checkpoint's trainer state), the outer steps and the final
+    weights of every rank are the uninterrupted run's, bit for bit."""
+    _, straight = reference
     for r in range(WORLD):
         assert resumed[r]["losses"] == straight[r]["losses"]  # steps 1-4 from the checkpoint, 5-8 recomputed
         assert sorted(resumed[r]["losses"]) == list(range(1, 9))
         assert resumed[r]["outer_steps"] == straight[r]["outer_steps"] == 2
         for name, tensor in straight[r]["weights"].items():
             assert torch.equal(resumed[r]["weights"][name], tensor), (r, name)
-    return logs
 
 
 def _digest(folder):
@@ -245,6 +251,37 @@ def test_rank_killed_mid_checkpoint_leaves_the_previous_one(tmp_path, reference)
     assert names == ["checkpoint-4", "tmp-checkpoint-8"]  # the half-written one keeps its temporary name
     assert not os.path.exists(out / "tmp-checkpoint-8" / "stage-1-replica-1" / "optimizer.pt")
     assert_resume_reproduces(reference, out)  # resumes from checkpoint-4, never from the half-written 8
+
+
+def torchrun(out, *launcher_args, timeout=150, **env):
+    """``torchrun <launcher_args> fault_train.py out``; returns the finished process (output captured)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(out.parent), PYTHONUNBUFFERED="1", **env)
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher_args]
+    return subprocess.run(
+        [*command, os.path.join(HERE, "fault_train.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=out.parent,
+        check=False,
+    )
+
+
+def test_torchrun_restart_resumes_by_itself_and_ends_with_the_uninterrupted_weights(tmp_path, reference):
+    """Rank 1 killed at step 6 under --max-restarts 1: the agent restarts every worker, which resume from
+    checkpoint-4 (no resume option given) and finish as the uninterrupted run did."""
+    out = tmp_path / "run"
+    out.mkdir()
+    standalone = ["--standalone", "--nproc_per_node", str(WORLD), "--max-restarts", "1"]
+    proc = torchrun(out, *standalone, timeout=300, FAULT="kill-step:6:1")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-5000:]
+    assert "sending SIGKILL to myself" in text  # the fault did strike the first attempt
+    assert text.count("a restart of this job: resuming from the newest intact checkpoint") == WORLD, text[
+        -5000:
+    ]
+    assert_same_as_reference(reference, _results(out))
 
 
 def test_torchrun_ends_the_whole_job_when_a_rank_is_killed(tmp_path):
