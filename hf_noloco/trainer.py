@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -324,6 +325,8 @@ class NoLoCoTrainer(Trainer):
             )
         try:
             if resume_from_checkpoint:
+                if resume_from_checkpoint is not True:
+                    self._check_mesh_first(resume_from_checkpoint)
                 with self._patient():  # hashing a large checkpoint may take longer than p2p_timeout
                     resume_from_checkpoint = checkpoint.resolve_resume(
                         self.args.output_dir, resume_from_checkpoint, self.mesh
@@ -348,6 +351,12 @@ class NoLoCoTrainer(Trainer):
             if error is exc:
                 raise
             raise error from exc
+
+    def _check_mesh_first(self, folder: str) -> None:
+        """A checkpoint of another mesh is a likelier mistake than a damaged one: when its mesh record reads,
+        say that first (the same on every rank: they read the same file). Damage is the checksums' job."""
+        with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            checkpoint.check_mesh_record(folder, self._mesh_record())
 
     def _with_root_cause(self, exc: Exception) -> Exception:
         """Records this failure as the job's first unless another rank's came first. A communication error
