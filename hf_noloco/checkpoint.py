@@ -10,18 +10,29 @@ Layout of ``output_dir/checkpoint-N/``::
         model.safetensors             the stage replica's weights (only the adapters, for a LoRA run)
         optimizer.pt                  inner + outer optimizer state (plain tensors and numbers)
         pipeline.pt                   the routing counters and tokens seen
+        checksums.json                this rank's files (its folder and its RNG state): size and SHA-256
+    noloco_checksums.json             every file of the checkpoint, size and SHA-256 (written last, by rank 0)
 
 Every rank writes into ``tmp-checkpoint-N/``; rank 0 renames it to ``checkpoint-N/`` only once every rank is
 done, so a crash during a save leaves the previous checkpoint the newest. Everything is read back with
 safetensors or ``torch.load(weights_only=True)``: no pickled code.
+
+A folder that was renamed can still be damaged later (a full disk, a node dying mid-copy, a flipped bit). So
+each rank hashes the files it wrote, rank 0 merges those records with its own files' into
+``noloco_checksums.json``, and a resume checks every file it reads against that record before any rank trains
+(:func:`agreed_problems`): every rank reaches the same verdict. :func:`resolve_resume` takes the newest
+checkpoint that passes, naming each file that made it skip a newer one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch
@@ -32,14 +43,26 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .mesh import PipelineMesh
 
+logger = logging.getLogger(__name__)
+
 MESH_FILE = "noloco_mesh.json"
+CHECKSUMS = "noloco_checksums.json"  # the completed checkpoint's record of all its files
+RANK_CHECKSUMS = "checksums.json"  # one rank's record of its own files, in its folder
+SKIPPED_PREFIX = "skipped-"  # a damaged checkpoint moved aside by a resume (kept for inspection)
 _WEIGHTS, _OPTIMIZER, _PIPELINE = "model.safetensors", "optimizer.pt", "pipeline.pt"
+# Files of the whole run that every resume reads (written by rank 0 with the Trainer's state).
+_SHARED_FILES = (MESH_FILE, "trainer_state.json")
+_HASH_CHUNK = 1 << 20
 # What a resume must share with the run that saved: anything else would load tensors into the wrong places.
 _MUST_MATCH = ("pipeline_stages", "num_replicas", "layer_ranges", "outer_optimizer", "adapter")
 
 
 def rank_folder(checkpoint: str, mesh: PipelineMesh) -> str:
-    return os.path.join(checkpoint, f"stage-{mesh.stage}-replica-{mesh.replica}")
+    return rank_folder_of(checkpoint, mesh.stage, mesh.replica)
+
+
+def rank_folder_of(checkpoint: str, stage: int, replica: int) -> str:
+    return os.path.join(checkpoint, f"stage-{stage}-replica-{replica}")
 
 
 def checkpoints_in(folder: str) -> bool:
@@ -49,11 +72,23 @@ def checkpoints_in(folder: str) -> bool:
     )
 
 
+def completed_checkpoints(folder: str) -> list[str]:
+    """The completed checkpoints in ``folder`` (``checkpoint-<step>``), newest (highest step) first."""
+    if not os.path.isdir(folder):
+        return []
+    steps = [
+        int(m.group(1))
+        for n in os.listdir(folder)
+        if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", n))
+    ]
+    return [os.path.join(folder, f"{PREFIX_CHECKPOINT_DIR}-{s}") for s in sorted(steps, reverse=True)]
+
+
 def write_checkpoint(
     run_dir: str,
     step: int,
     mesh: PipelineMesh,
-    write_rank_state: Callable[[str], None],
+    write_rank_state: Callable[[str], Iterable[str] | None],
     write_shared_state: Callable[[str], None],
     timeout: float,
     save_total_limit: int | None = None,
@@ -65,7 +100,8 @@ def write_checkpoint(
         run_dir: the run's output folder.
         step: the global step, which names the checkpoint.
         mesh: the process mesh.
-        write_rank_state: called on every rank with the temporary checkpoint folder; writes this rank's files.
+        write_rank_state: called on every rank with the temporary checkpoint folder; writes this rank's files
+            (its rank folder) and returns the names of any it wrote beside the folder (its RNG state).
         write_shared_state: called on rank 0 once every rank has written; writes the files of the whole run.
         timeout: seconds rank 0 waits for the others (a monitored barrier names the ranks that did not
         arrive). save_total_limit: the Trainer's limit on kept checkpoints.
@@ -75,12 +111,14 @@ def write_checkpoint(
         The completed checkpoint's folder.
     """
     name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    ranks = range(mesh.world_size)
     final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f"tmp-{name}")
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    write_rank_state(tmp)
+    own_files = list(write_rank_state(tmp) or [])
+    write_rank_checksums(tmp, mesh, own_files)
     # Rank 0 renames the folder only when every rank has written its part. A monitored barrier (gloo) names
     # the ranks that did not get there; rank 0 then fails, and the others with it.
     if dist.get_backend() == "gloo":
@@ -89,6 +127,7 @@ def write_checkpoint(
         dist.barrier()
     if mesh.rank == 0:
         write_shared_state(tmp)
+        write_checksums(tmp, [rank_folder_of(tmp, r % mesh.num_stages, r // mesh.num_stages) for r in ranks])
     dist.barrier()
     if mesh.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -168,3 +207,157 @@ def load_optimizer_state(checkpoint: str, mesh: PipelineMesh) -> dict:
     return torch.load(
         os.path.join(rank_folder(checkpoint, mesh), _OPTIMIZER), weights_only=True, map_location="cpu"
     )
+
+
+# ------------------------------------------------------------------------------------------- checksums
+
+
+def file_checksum(path: str) -> dict:
+    """``{"bytes": size, "sha256": hex digest}`` of a file, read in 1 MiB chunks (bounded memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def _write_json_atomically(path: str, record: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def write_rank_checksums(checkpoint: str, mesh: PipelineMesh, own_files: Iterable[str] = ()) -> None:
+    """Records the size and SHA-256 of this rank's files (its rank folder, plus ``own_files`` beside it) in
+    ``<rank folder>/checksums.json``. The files are hashed as they lie on disk once written: what a resume
+    will read."""
+    rank_dir = rank_folder(checkpoint, mesh)
+    names = [os.path.relpath(os.path.join(rank_dir, n), checkpoint) for n in sorted(os.listdir(rank_dir))]
+    names = [n for n in names if os.path.basename(n) != RANK_CHECKSUMS] + list(own_files)
+    record = {n: file_checksum(os.path.join(checkpoint, n)) for n in names}
+    _write_json_atomically(os.path.join(rank_dir, RANK_CHECKSUMS), {"files": record})
+
+
+def write_checksums(checkpoint: str, rank_dirs: Iterable[str]) -> None:
+    """Rank 0, once every rank has written: merges the ranks' records and adds every other file of the
+    checkpoint (the run's shared state), hashed here, into ``noloco_checksums.json``."""
+    files: dict[str, dict] = {}
+    for rank_dir in rank_dirs:
+        path = os.path.join(rank_dir, RANK_CHECKSUMS)
+        if not os.path.isfile(path):  # the barrier before us says every rank has written its part
+            raise RuntimeError(f"{path} is missing: a rank did not record its checkpoint files.")
+        with open(path) as f:
+            files.update(json.load(f)["files"])
+    for root, _, names in os.walk(checkpoint):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), checkpoint)
+            if rel not in files and name not in (RANK_CHECKSUMS, CHECKSUMS):
+                files[rel] = file_checksum(os.path.join(checkpoint, rel))
+    _write_json_atomically(os.path.join(checkpoint, CHECKSUMS), {"files": files})
+
+
+def files_to_verify(checkpoint: str, mesh: PipelineMesh, listed: Iterable[str]) -> list[str]:
+    """The files of ``listed`` that this rank checks: its own folder and everything beside the rank folders
+    (small: the run's state and the RNG states). Every file is thus checked by at least one rank."""
+    own = os.path.relpath(rank_folder(checkpoint, mesh), checkpoint) + os.sep
+    return [n for n in listed if n.startswith(own) or os.sep not in n]
+
+
+def verify_rank_files(checkpoint: str, mesh: PipelineMesh) -> str | None:
+    """What is wrong with the files this rank would read from ``checkpoint``, or ``None`` when they all match
+    the checkpoint's record. The answer names the file: ``checkpoint-8/stage-1-replica-1/model.safetensors:
+    1024 bytes, the checksum record says 5120 (truncated)``."""
+    name = os.path.basename(os.path.normpath(checkpoint))
+    record_path = os.path.join(checkpoint, CHECKSUMS)
+    if not os.path.isfile(record_path):
+        return f"{name}/{CHECKSUMS} is missing (the checkpoint was written without checksums)"
+    try:
+        with open(record_path) as f:
+            listed = json.load(f)["files"]
+        if not isinstance(listed, dict):
+            raise TypeError(type(listed).__name__)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        return f"{name}/{CHECKSUMS} is unreadable ({type(exc).__name__}: {exc})"
+    for rel in _SHARED_FILES:
+        if rel not in listed:
+            return f"{name}/{rel} is not in {CHECKSUMS} (the checkpoint is incomplete)"
+    own = os.path.relpath(rank_folder(checkpoint, mesh), checkpoint)
+    for rel in (os.path.join(own, n) for n in (_WEIGHTS, _OPTIMIZER, _PIPELINE)):
+        if rel not in listed:
+            return (
+                f"{name} holds no {rel} ({mesh.describe()}): it was saved by a run with another number of "
+                "processes or pipeline_stages, or is incomplete"
+            )
+    for rel in files_to_verify(checkpoint, mesh, sorted(listed)):
+        path, expected = os.path.join(checkpoint, rel), listed[rel]
+        if not os.path.isfile(path):
+            return f"{name}/{rel} is missing"
+        size = os.path.getsize(path)
+        if size != expected["bytes"]:
+            how = "truncated" if size < expected["bytes"] else "longer than written"
+            return f"{name}/{rel}: {size} bytes, the checksum record says {expected['bytes']} ({how})"
+        if file_checksum(path)["sha256"] != expected["sha256"]:
+            return f"{name}/{rel}: its SHA-256 differs from the checksum record (the content changed)"
+    return None
+
+
+def agreed_problems(checkpoint: str, mesh: PipelineMesh) -> list[str]:
+    """Every rank's verdict on ``checkpoint`` (:func:`verify_rank_files`), the same list on every rank.
+    Collective: every rank calls it, so no rank can start training from a checkpoint another refuses."""
+    mine = verify_rank_files(checkpoint, mesh)
+    verdicts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, mine)
+    return list(dict.fromkeys(v for v in verdicts if v))  # in rank order, each problem once
+
+
+def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh) -> str | None:
+    """The checkpoint to resume, verified on every rank; collective.
+
+    ``requested`` is a checkpoint folder (an error naming the damaged file if it does not verify) or
+    ``True``: the newest completed checkpoint in ``run_dir`` that verifies. Newer ones that do not are logged,
+    naming the file, and moved aside to ``skipped-checkpoint-N`` (kept for inspection; otherwise a later save
+    could rotate away the intact checkpoint in favour of the damaged one). Returns ``None`` when ``run_dir``
+    holds no completed checkpoint; raises when it holds only damaged ones.
+    """
+    if requested is not True:
+        problems = agreed_problems(requested, mesh)
+        if problems:
+            raise ValueError(f"Cannot resume {requested}: " + "; ".join(problems))
+        return requested
+    # Rank 0's listing for all: ranks that saw different folders (a slow shared filesystem) would otherwise
+    # call different numbers of collectives. A checkpoint a rank cannot see fails its check there.
+    box = [completed_checkpoints(run_dir) if mesh.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    candidates = box[0]
+    skipped = []
+    for candidate in candidates:
+        problems = agreed_problems(candidate, mesh)
+        if not problems:
+            for folder, reasons in skipped:
+                logger.warning("Skipping %s: %s.", folder, "; ".join(reasons))
+            if mesh.rank == 0:
+                for folder, _ in skipped:
+                    _move_aside(folder)
+            dist.barrier()
+            if skipped:
+                logger.warning("Resuming from %s, the newest checkpoint that verifies.", candidate)
+            return candidate
+        skipped.append((candidate, problems))
+    if skipped:
+        raise ValueError(
+            f"No intact checkpoint in {run_dir}: "
+            + " | ".join(f"{os.path.basename(c)}: {'; '.join(p)}" for c, p in skipped)
+        )
+    return None
+
+
+def _move_aside(folder: str) -> None:
+    parent, name = os.path.split(os.path.normpath(folder))
+    target = os.path.join(parent, SKIPPED_PREFIX + name)
+    suffix = 1
+    while os.path.exists(target):
+        target = os.path.join(parent, f"{SKIPPED_PREFIX}{name}.{suffix}")
+        suffix += 1
+    os.replace(folder, target)

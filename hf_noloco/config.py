@@ -26,6 +26,8 @@ from typing import Literal, get_args
 import torch
 from transformers import TrainingArguments
 
+from .elastic import join_restartable_group
+
 # ----------------------------------------------------------------------------------------------------------
 # Allowed values
 # ----------------------------------------------------------------------------------------------------------
@@ -547,6 +549,9 @@ class NoLoCoConfig(TrainingArguments):
         if self.routing_seed is None:
             self.routing_seed = self.seed
         self.ddp_timeout = max(int(self.ddp_timeout), int(self.p2p_timeout))
+        # Under torchrun/accelerate with --max-restarts, each attempt joins a process group of its own
+        # (elastic.py says why); Accelerate then keeps that group.
+        join_restartable_group(self.ddp_backend or ("gloo" if self.use_cpu else "nccl"), self.ddp_timeout)
         super().__post_init__()
 
     @property

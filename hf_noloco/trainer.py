@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -42,7 +43,7 @@ from transformers import (
     default_data_collator,
 )
 
-from . import adapters, checkpoint
+from . import adapters, checkpoint, elastic
 from .card import PLOT_FILE, plot_training_curves, render_model_card
 from .comm import PeerError, PeerWatch, group_timeout, wait_collective
 from .config import DataArguments, NoLoCoConfig
@@ -355,12 +356,45 @@ class NoLoCoTrainer(Trainer):
     # ---------------------------------------------------------------------------------------- training
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """The Trainer's ``train``. ``resume_from_checkpoint`` is a checkpoint folder or ``True`` (the newest
+        checkpoint in ``output_dir`` that verifies); either way every file a rank reads is checked against the
+        checkpoint's checksums on every rank before any rank trains.
+
+        Workers that a launcher restarted after a worker of the job failed (``torchrun --max-restarts N``,
+        ``accelerate launch --max_restarts N``) resume from the newest intact checkpoint in ``output_dir`` by
+        themselves, or start over when the failed attempt saved none."""
+        restarted = not resume_from_checkpoint and _agreed_restart()
+        if restarted:
+            logger.warning(
+                "%s: a restart of this job: resuming from the newest intact checkpoint in %s, if any.",
+                self.mesh.describe(),
+                self.args.output_dir,
+            )
+            resume_from_checkpoint = True
         if not resume_from_checkpoint and checkpoint.checkpoints_in(self.args.output_dir):
             raise ValueError(
                 f"{self.args.output_dir} already holds checkpoints of a run. Resume it with "
                 "resume_from_checkpoint=True, or choose another output_dir."
             )
         try:
+            if resume_from_checkpoint:
+                if resume_from_checkpoint is not True:
+                    self._check_mesh_first(resume_from_checkpoint)
+                with self._patient():  # hashing a large checkpoint may take longer than p2p_timeout
+                    resume_from_checkpoint = checkpoint.resolve_resume(
+                        self.args.output_dir, resume_from_checkpoint, self.mesh
+                    )
+                if resume_from_checkpoint is None and not restarted:  # a restart before any save starts over
+                    raise ValueError(
+                        f"resume_from_checkpoint=True: {self.args.output_dir} holds no checkpoint."
+                    )
+                if restarted and self.mesh.rank == 0:
+                    logger.warning(
+                        "Restarted job: %s",
+                        f"resuming {resume_from_checkpoint}."
+                        if resume_from_checkpoint
+                        else "no checkpoint yet, starting over.",
+                    )
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         except Exception as exc:  # re-raised, with the job's first failure added
             error = self._with_root_cause(exc)
@@ -370,6 +404,12 @@ class NoLoCoTrainer(Trainer):
             if error is exc:
                 raise
             raise error from exc
+
+    def _check_mesh_first(self, folder: str) -> None:
+        """A checkpoint of another mesh is a likelier mistake than a damaged one: when its mesh record reads,
+        say that first (the same on every rank: they read the same file). Damage is the checksums' job."""
+        with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            checkpoint.check_mesh_record(folder, self._mesh_record())
 
     def _with_root_cause(self, exc: Exception) -> Exception:
         """Records this failure as the job's first unless another rank's came first. A communication error
@@ -573,7 +613,7 @@ class NoLoCoTrainer(Trainer):
                 best_model_checkpoint=self.state.best_model_checkpoint,
             )
 
-    def _write_rank_state(self, folder: str) -> None:
+    def _write_rank_state(self, folder: str) -> list[str]:
         pipeline_state = {"engine": self.engine.state_dict(), "tokens_seen": self.tokens_seen}
         if self._train_stream is not None:
             pipeline_state["stream"] = self._train_stream.state_dict()
@@ -586,6 +626,8 @@ class NoLoCoTrainer(Trainer):
             trainable_only=self.peft_config is not None,
         )
         self._save_rng_state(folder)
+        # The Trainer's name for this process's RNG file (beside the rank folders): recorded in its checksums.
+        return ["rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"]
 
     def _write_run_state(self, folder: str) -> None:
         for callback in self.callback_handler.callbacks + [self.control]:
@@ -855,6 +897,16 @@ def _ensure_process_group(args: NoLoCoConfig) -> None:
             world_size=1,
             timeout=timedelta(seconds=args.ddp_timeout),
         )
+
+
+def _agreed_restart() -> bool:
+    """Whether a launcher's agent restarted this job's workers, the same answer on every rank: each agent
+    counts its own restarts, so one node's workers may not know that the job restarted (elastic.py)."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) == 0:
+        return False  # no agent that restarts workers: no collective
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, elastic.is_restart())
+    return any(views)
 
 
 def _is_communication_error(exc: BaseException) -> bool:

@@ -3,16 +3,16 @@
 Run it as a script under a launcher (``torchrun ... fault_train.py OUT``, or plain processes with RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), or call :func:`run` in a process whose gloo group is already up.
 
-``FAULT=kind:step:rank`` picks the fault (none if unset):
+``FAULT=kind:step:rank`` picks the fault (none if unset; never in workers that a launcher restarted):
     kill-step   SIGKILL in the forward of the second microbatch of ``step``
     kill-outer  SIGKILL inside the outer sync after ``step``, as it starts the exchange with its partner
     kill-save   SIGKILL while writing this rank's shard of checkpoint-``step`` (model written, optimizer not)
     stop-log    SIGSTOP at the end of ``step``, before the step's logging collectives (a hung machine)
     nan-loss    the stage output of one microbatch of ``step`` becomes NaN (use on the last stage)
     nan-grad    one gradient entry becomes NaN after the backward of ``step``
-``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds) and ``RESUME`` (1: from the last checkpoint) set the
-run. Each rank writes ``pid-rank{r}`` at start and ``result-rank{r}.pt`` (losses, weights, counters) at the
-end.
+``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds) and ``RESUME`` (1: from the newest intact checkpoint;
+any other value: that checkpoint folder) set the run. Each rank writes ``pid-rank{r}`` at start and
+``result-rank{r}.pt`` (losses, weights, counters) at the end.
 """
 
 import os
@@ -72,9 +72,11 @@ class StopAtStepEnd(TrainerCallback):
 
 
 def install_fault(trainer, rank: int) -> None:
+    from hf_noloco import elastic
+
     spec = os.environ.get("FAULT")
-    if not spec:
-        return
+    if not spec or elastic.is_restart():
+        return  # a fault strikes the first attempt only, not the workers a launcher restarts
     kind, step, victim = spec.split(":")
     step, victim = int(step), int(victim)
     if rank != victim:
@@ -181,7 +183,8 @@ def run(out: str) -> None:
     )
     trainer = NoLoCoTrainer(byte_config(), args, train_dataset=byte_corpus(128))
     install_fault(trainer, dist.get_rank())
-    trainer.train(resume_from_checkpoint=True if os.environ.get("RESUME") == "1" else None)
+    resume = os.environ.get("RESUME") or None
+    trainer.train(resume_from_checkpoint=True if resume == "1" else resume)
     inner = trainer.outer.inner
     torch.save(
         {

@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,10 +155,18 @@ def assert_survivors_name_the_victim(codes, times, logs, victim):
 
 
 def assert_resume_reproduces(reference, out):
-    """Resuming the faulty run's output_dir (the last complete checkpoint) ends where the reference ended."""
-    _, straight = reference
+    """Resuming the faulty run's output_dir (the last complete checkpoint) ends where the reference ended.
+    Returns the resumed run's logs."""
     codes, _, logs, resumed = launch(out, RESUME="1")
     assert codes == [0] * WORLD, logs
+    assert_same_as_reference(reference, resumed)
+    return logs
+
+
+def assert_same_as_reference(reference, resumed):
+    """The losses of steps 1-8 (1-4 from the checkpoint's trainer state), the outer steps and the final
+    weights of every rank are the uninterrupted run's, bit for bit."""
+    _, straight = reference
     for r in range(WORLD):
         assert resumed[r]["losses"] == straight[r]["losses"]  # steps 1-4 from the checkpoint, 5-8 recomputed
         assert sorted(resumed[r]["losses"]) == list(range(1, 9))
@@ -244,6 +253,37 @@ def test_rank_killed_mid_checkpoint_leaves_the_previous_one(tmp_path, reference)
     assert_resume_reproduces(reference, out)  # resumes from checkpoint-4, never from the half-written 8
 
 
+def torchrun(out, *launcher_args, timeout=150, **env):
+    """``torchrun <launcher_args> fault_train.py out``; returns the finished process (output captured)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(out.parent), PYTHONUNBUFFERED="1", **env)
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher_args]
+    return subprocess.run(
+        [*command, os.path.join(HERE, "fault_train.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=out.parent,
+        check=False,
+    )
+
+
+def test_torchrun_restart_resumes_by_itself_and_ends_with_the_uninterrupted_weights(tmp_path, reference):
+    """Rank 1 killed at step 6 under --max-restarts 1: the agent restarts every worker, which resume from
+    checkpoint-4 (no resume option given) and finish as the uninterrupted run did."""
+    out = tmp_path / "run"
+    out.mkdir()
+    standalone = ["--standalone", "--nproc_per_node", str(WORLD), "--max-restarts", "1"]
+    proc = torchrun(out, *standalone, timeout=300, FAULT="kill-step:6:1")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-5000:]
+    assert "sending SIGKILL to myself" in text  # the fault did strike the first attempt
+    assert text.count("a restart of this job: resuming from the newest intact checkpoint") == WORLD, text[
+        -5000:
+    ]
+    assert_same_as_reference(reference, _results(out))
+
+
 def test_torchrun_ends_the_whole_job_when_a_rank_is_killed(tmp_path):
     """What a user sees: the launcher's job ends non-zero and fast, the lost rank is named, nothing left."""
     out = tmp_path / "run"
@@ -283,6 +323,81 @@ def test_torchrun_ends_the_whole_job_when_a_rank_is_killed(tmp_path):
     for r in range(WORLD):
         pid = int((out / f"pid-rank{r}").read_text())
         assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z", r  # gone (or a zombie being reaped)
+
+
+# ----------------------------------------------------------------------------------- damaged checkpoints
+
+
+def _copy_of_reference(reference, out):
+    """The reference run's output_dir (checkpoints 4 and 8), without its logs and results."""
+    shutil.copytree(
+        reference[0], out, ignore=shutil.ignore_patterns("log-rank*", "result-rank*", "pid-rank*")
+    )
+
+
+def _truncate(path):
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _flip_one_bit(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x08  # deep inside the tensors: the file still parses
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, victim, reason",
+    [
+        (
+            _truncate,
+            "stage-1-replica-1/model.safetensors",
+            r"\d+ bytes, the checksum record says \d+ \(truncated\)",
+        ),
+        (
+            _flip_one_bit,
+            "stage-0-replica-1/optimizer.pt",
+            r"its SHA-256 differs from the checksum record \(the content changed\)",
+        ),
+    ],
+    ids=["truncated", "bit-flipped"],
+)
+def test_damaged_newest_checkpoint_is_named_skipped_and_the_previous_resumes_exactly(
+    tmp_path, reference, damage, victim, reason
+):
+    out = tmp_path / "run"
+    _copy_of_reference(reference, out)
+    damage(out / "checkpoint-8" / victim)
+    logs = assert_resume_reproduces(reference, out)  # from checkpoint-4: steps 5-8 recomputed, bit for bit
+    skipped = re.compile(rf"Skipping {re.escape(str(out))}/checkpoint-8: checkpoint-8/{victim}: {reason}\.")
+    for r in range(WORLD):  # every rank says why, though only the victim's owner read the file
+        assert skipped.search(logs[r]), (r, logs[r][-3000:])
+        assert f"Resuming from {out}/checkpoint-4, the newest checkpoint that verifies" in logs[r]
+    # The damaged checkpoint is kept aside, out of the rotation; the run wrote a new, intact checkpoint-8.
+    assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == [
+        "checkpoint-4",
+        "checkpoint-8",
+        "skipped-checkpoint-8",
+    ]
+    assert _checkpoint_weights(out / "checkpoint-8") == _checkpoint_weights(reference[0] / "checkpoint-8")
+
+
+def test_damaged_explicit_checkpoint_is_a_one_line_error_on_every_rank_before_training(tmp_path, reference):
+    """Only rank 3 reads the damaged file, yet every rank refuses: none may train while another refuses."""
+    out = tmp_path / "run"
+    _copy_of_reference(reference, out)
+    _truncate(out / "checkpoint-4" / "stage-1-replica-1" / "pipeline.pt")
+    codes, _, logs, _ = launch(out, RESUME=str(out / "checkpoint-4"))
+    assert codes == [1] * WORLD, logs
+    error = (
+        f"ValueError: Cannot resume {out}/checkpoint-4: checkpoint-4/stage-1-replica-1/pipeline.pt: "
+        "{} bytes, the checksum record says {} (truncated)"
+    )
+    size = (out / "checkpoint-4" / "stage-1-replica-1" / "pipeline.pt").stat().st_size
+    written = (reference[0] / "checkpoint-4" / "stage-1-replica-1" / "pipeline.pt").stat().st_size
+    for r in range(WORLD):
+        assert error.format(size, written) + "\n" in logs[r], (r, logs[r][-3000:])
+        assert "'loss'" not in logs[r]  # no rank trained a step
+    assert _checkpoint_weights(out / "checkpoint-8") == _checkpoint_weights(reference[0] / "checkpoint-8")
 
 
 # --------------------------------------------------------------------------------------------- hung rank

@@ -1,0 +1,289 @@
+"""Fault benchmark: what losing one rank costs a dp = 4 x pp = 2 NoLoCo run.
+
+The same seeded run twice, each as one job under ``torchrun --standalone --nproc_per_node 8 --max-restarts 1``
+(8 gloo processes, one thread each):
+
+- ``uninterrupted``: no fault;
+- ``stop+restart``: one rank SIGKILLs itself as step ``kill_step`` begins (first attempt only). The launcher
+  stops the other workers and starts all 8 again; they resume from the newest intact checkpoint by themselves.
+
+Reported per faulty job, against the uninterrupted one:
+
+- tokens lost: the steps the first attempt had finished after its last checkpoint, trained again (times the
+  tokens of one step over all replicas);
+- wall time lost: the job's wall time minus the uninterrupted job's, split into the restart (the kill to the
+  restarted job's first step: the launcher's reaction, new processes, process group, checkpoint verification
+  and loading) and the recomputation of the lost steps;
+- final validation perplexity of both (a resume is exact, so they should be equal), and whether the losses the
+  restarted job logged after the kill are the uninterrupted job's.
+
+``continue`` (training on without the lost replica) is not implemented (see the README's reliability section);
+the JSON says so instead of a number.
+
+    python benchmarks/faults.py           # 96 steps, checkpoints every 32, rank 5 killed at step 56 (~5 min)
+    python benchmarks/faults.py --quick   # 16 steps (~2 min): checks the machinery
+
+Writes benchmarks/results/faults.json (faults_quick.json with --quick). The model, corpus and optimizer
+settings are the convergence study's (benchmarks/studies/factorial.yaml, arm noloco-H8-a0.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from _common import BUILTIN, RESULTS_DIR, count_parameters, load_corpus, machine
+
+DP, PP = 4, 2
+MODEL = {  # the convergence study's 1.25M-parameter Llama
+    "vocab_size": 2048,
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+BLOCK, GLOBAL_BATCH, EVAL_BLOCKS = 64, 32, 128
+SETTINGS = {
+    "full": {"max_steps": 96, "save_steps": 32, "kill_step": 56, "victim": 5},
+    "quick": {"max_steps": 16, "save_steps": 8, "kill_step": 12, "victim": 5},
+}
+
+
+# ------------------------------------------------------------------------------------------------ worker
+
+
+def _process_start() -> float:
+    """When this process started (wall clock, 10 ms resolution): its start in ticks since boot (/proc)."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age
+
+
+def worker(plan_path: str) -> None:
+    """One rank of one attempt (torchrun runs this): trains, evaluates, and records its timeline."""
+    import datasets
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from transformers import LlamaConfig, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+
+    from hf_noloco import elastic
+    from hf_noloco.config import NoLoCoConfig
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    with open(plan_path) as f:
+        plan = json.load(f)
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    train = datasets.load_from_disk(plan["train"])
+    eval_ = datasets.load_from_disk(plan["eval"])
+    steps = plan["max_steps"]
+    args = NoLoCoConfig(
+        output_dir=plan["out"],
+        pipeline_stages=PP,
+        outer_optimizer="noloco",
+        inner_steps=8,
+        outer_lr=0.3,
+        outer_momentum=0.7,
+        routing="sample",
+        per_device_train_batch_size=GLOBAL_BATCH // DP,
+        microbatch_size=4,
+        per_device_eval_batch_size=16,
+        learning_rate=2e-3,
+        weight_decay=0.01,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        warmup_steps=max(steps // 10, 1),
+        max_grad_norm=1.0,
+        max_steps=steps,
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="steps",
+        save_steps=plan["save_steps"],
+        report_to="none",
+        disable_tqdm=True,
+        seed=1,
+        data_seed=1,
+        p2p_timeout=60,
+    )
+    trainer = NoLoCoTrainer(LlamaConfig(**MODEL, tie_word_embeddings=False), args, train_dataset=train)
+    trainer.remove_callback(PrinterCallback)
+    rank, restarted = dist.get_rank(), elastic.is_restart()
+    timeline = {
+        "attempt": 2 if restarted else 1,
+        "process_start": _process_start(),  # before Python's imports
+        "trainer_ready": time.time(),  # imports, data, process group and model built
+        "step_end": {},
+    }
+
+    class Timeline(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            timeline["train_begin"], timeline["start_step"] = time.time(), state.global_step
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            strike = plan["fault"] and not restarted and rank == plan["victim"]
+            if strike and state.global_step + 1 == plan["kill"]:
+                with open(os.path.join(plan["out"], "killed_at.json"), "w") as f:
+                    json.dump({"time": time.time(), "step": plan["kill"], "rank": rank}, f)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            timeline["step_end"][state.global_step] = time.time()
+
+    trainer.add_callback(Timeline())
+    trainer.train()
+    timeline["train_end"] = time.time()
+    metrics = trainer.evaluate(eval_)
+    if rank == 0:
+        timeline["eval_perplexity"] = metrics["eval_perplexity"]
+        timeline["losses"] = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        with open(os.path.join(plan["out"], f"timeline-attempt{timeline['attempt']}.json"), "w") as f:
+            json.dump(timeline, f)
+    trainer.end()
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def run_job(plan: dict, work: str, name: str) -> dict:
+    """One torchrun job; returns its wall time, exit status and rank 0's timelines."""
+    out = os.path.join(work, name)
+    os.makedirs(out)
+    plan = dict(plan, out=out)
+    plan_path = os.path.join(work, f"{name}.json")
+    with open(plan_path, "w") as f:
+        json.dump(plan, f)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    command += [str(DP * PP)]
+    command += ["--max-restarts", "1", os.path.abspath(__file__), "--worker", plan_path]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    load_before = os.getloadavg()[0]
+    started = time.time()
+    with open(os.path.join(work, f"{name}.log"), "w") as log:
+        code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+    wall = time.time() - started
+    if code != 0:
+        raise RuntimeError(f"{name}: torchrun exited {code}; see {work}/{name}.log")
+    timelines = {}
+    for attempt in (1, 2):
+        path = os.path.join(out, f"timeline-attempt{attempt}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                timelines[attempt] = json.load(f)
+    killed = None
+    if os.path.exists(os.path.join(out, "killed_at.json")):
+        with open(os.path.join(out, "killed_at.json")) as f:
+            killed = json.load(f)
+    return {
+        "wall_s": wall,
+        "started": started,
+        "load_1min": [load_before, os.getloadavg()[0]],
+        "timelines": timelines,
+        "killed": killed,
+    }
+
+
+def summarize(plain: dict, faulty: dict, tokens_per_step: int) -> dict:
+    final = faulty["timelines"][2]
+    straight = plain["timelines"][1]
+    killed = faulty["killed"]
+    resumed_from = final["start_step"]
+    # The first attempt's rank 0 wrote no timeline (it was stopped); its steps are in the restarted job's
+    # log: the kill came as step kill_step began, so steps resumed_from+1 .. kill_step-1 were done twice.
+    redone = killed["step"] - 1 - resumed_from
+    recompute = final["step_end"][str(killed["step"] - 1)] - final["train_begin"] if redone else 0.0
+    step_s = (straight["train_end"] - straight["train_begin"]) / len(straight["step_end"])
+    after_kill = [s for s in straight["losses"] if int(s) >= killed["step"]]
+    return {
+        "killed_rank": killed["rank"],
+        "killed_at_step": killed["step"],
+        "resumed_from_step": resumed_from,
+        "steps_lost": redone,
+        "tokens_lost": redone * tokens_per_step,
+        "wall_time_lost_s": faulty["wall_s"] - plain["wall_s"],
+        "restart_s": final["train_begin"] - killed["time"],
+        "restart_parts_s": {  # the restart, step by step
+            "launcher_stops_and_starts_workers": final["process_start"] - killed["time"],
+            "imports_data_process_group_model": final["trainer_ready"] - final["process_start"],
+            "checkpoint_verified_and_loaded": final["train_begin"] - final["trainer_ready"],
+        },
+        "uninterrupted_startup_s": straight["train_begin"] - straight["process_start"],
+        "recompute_s": recompute,
+        "uninterrupted_step_s": step_s,
+        "final_perplexity": final["eval_perplexity"],
+        "uninterrupted_final_perplexity": straight["eval_perplexity"],
+        "perplexity_ratio": final["eval_perplexity"] / straight["eval_perplexity"],
+        "losses_after_kill_identical": all(final["losses"][s] == straight["losses"][s] for s in after_kill),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="16 steps: checks the machinery")
+    parser.add_argument("--repeats", type=int, default=1, help="pairs of jobs (uninterrupted, faulty)")
+    parser.add_argument("--kill-step", type=int, help="the step at whose start the victim dies")
+    parser.add_argument("--victim", type=int, help="the rank killed (rank = replica * 2 + stage)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    cli = parser.parse_args()
+    if cli.worker:
+        return worker(cli.worker)
+    settings = dict(SETTINGS["quick" if cli.quick else "full"])
+    if cli.kill_step:
+        settings["kill_step"] = cli.kill_step
+    if cli.victim is not None:
+        settings["victim"] = cli.victim
+    tokens_per_step = GLOBAL_BATCH * BLOCK
+    with tempfile.TemporaryDirectory() as work:
+        train, eval_, _ = load_corpus(BUILTIN, BLOCK, MODEL["vocab_size"], EVAL_BLOCKS)
+        train.save_to_disk(os.path.join(work, "train"))
+        eval_.save_to_disk(os.path.join(work, "eval"))
+        plan = {
+            "train": os.path.join(work, "train"),
+            "eval": os.path.join(work, "eval"),
+            "max_steps": settings["max_steps"],
+            "save_steps": settings["save_steps"],
+            "kill": settings["kill_step"],
+            "victim": settings["victim"],
+        }
+        runs = []
+        for repeat in range(cli.repeats):
+            plain = run_job(dict(plan, fault=False), work, f"uninterrupted-{repeat}")
+            faulty = run_job(dict(plan, fault=True), work, f"stop-restart-{repeat}")
+            summary = summarize(plain, faulty, tokens_per_step)
+            print(json.dumps(summary, indent=1), flush=True)
+            runs.append({"summary": summary, "uninterrupted": plain, "stop_restart": faulty})
+    result = {
+        "benchmark": "faults",
+        "mesh": {"dp": DP, "pp": PP, "processes": DP * PP},
+        "model": dict(MODEL, parameters=count_parameters(MODEL)),
+        "settings": dict(
+            settings, tokens_per_step=tokens_per_step, block_size=BLOCK, global_batch=GLOBAL_BATCH
+        ),
+        "launch": "torchrun --standalone --nproc_per_node 8 --max-restarts 1",
+        "machine": machine(),
+        "runs": runs,
+        "continue": {
+            "status": "not implemented",
+            "why": "on_replica_loss: continue is not built; see the README's reliability section",
+        },
+    }
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, "faults_quick.json" if cli.quick else "faults.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
