@@ -253,10 +253,10 @@ def test_rank_killed_mid_checkpoint_leaves_the_previous_one(tmp_path, reference)
     assert_resume_reproduces(reference, out)  # resumes from checkpoint-4, never from the half-written 8
 
 
-def torchrun(out, *launcher_args, timeout=150, **env):
+def torchrun(out, *launcher_args, timeout=150, launcher=("-m", "torch.distributed.run"), **env):
     """``torchrun <launcher_args> fault_train.py out``; returns the finished process (output captured)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(out.parent), PYTHONUNBUFFERED="1", **env)
-    command = [sys.executable, "-m", "torch.distributed.run", *launcher_args]
+    command = [sys.executable, *launcher, *launcher_args]
     return subprocess.run(
         [*command, os.path.join(HERE, "fault_train.py"), str(out)],
         env=env,
@@ -268,19 +268,33 @@ def torchrun(out, *launcher_args, timeout=150, **env):
     )
 
 
-def test_torchrun_restart_resumes_by_itself_and_ends_with_the_uninterrupted_weights(tmp_path, reference):
+RESTARTING_LAUNCHERS = {
+    # torchrun's c10d rendezvous and accelerate's static one hand the store to the workers differently.
+    "torchrun": (("-m", "torch.distributed.run"), ["--standalone", "--nproc_per_node", str(WORLD)]),
+    "accelerate": (
+        ("-m", "accelerate.commands.launch"),
+        ["--config_file", os.path.join(os.path.dirname(HERE), "recipes", "accelerate_configs", "cpu.yaml")],
+    ),
+}
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_restarted_job_resumes_by_itself_and_ends_with_the_uninterrupted_weights(
+    tmp_path, reference, launcher
+):
     """Rank 1 killed at step 6 under --max-restarts 1: the agent restarts every worker, which resume from
     checkpoint-4 (no resume option given) and finish as the uninterrupted run did."""
     out = tmp_path / "run"
     out.mkdir()
-    standalone = ["--standalone", "--nproc_per_node", str(WORLD), "--max-restarts", "1"]
-    proc = torchrun(out, *standalone, timeout=300, FAULT="kill-step:6:1")
+    module, args = RESTARTING_LAUNCHERS[launcher]
+    restarts = ["--max-restarts", "1"] if launcher == "torchrun" else ["--max_restarts", "1"]
+    proc = torchrun(out, *args, *restarts, launcher=module, timeout=300, FAULT="kill-step:6:1")
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-5000:]
     assert "sending SIGKILL to myself" in text  # the fault did strike the first attempt
-    assert text.count("a restart of this job: resuming from the newest intact checkpoint") == WORLD, text[
-        -5000:
-    ]
+    restarted = text.count("a restart of this job: resuming from the newest intact checkpoint")
+    assert restarted == WORLD, text[-5000:]
+    assert f"Restarted job: resuming {out}/checkpoint-4." in text
     assert_same_as_reference(reference, _results(out))
 
 
