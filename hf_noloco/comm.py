@@ -244,3 +244,35 @@ def consecutive_buckets(sizes: Sequence[int], limit: float) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+class PendingExchange:
+    """Sends and receives posted now, on ``group``, and waited for later: the outer sync's exchange running
+    in the background while inner steps go on (``outer_overlap_steps``). Under gloo the transfers progress in
+    gloo's own threads, under NCCL on the group's own stream; either way the caller keeps computing. The
+    tensors must stay untouched until :meth:`wait` returns. ``sends``/``recvs`` are ``(tensor, global peer
+    rank)`` pairs; messages to one peer arrive in the order listed."""
+
+    def __init__(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int]],
+        recvs: Sequence[tuple[torch.Tensor, int]],
+        group: dist.ProcessGroup | None,
+    ):
+        ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
+        ops += [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in recvs]
+        # One batch: NCCL needs a pair's sends and receives grouped, or two ranks that both send first wait
+        # for each other.
+        works = dist.batch_isend_irecv(ops) if ops else []
+        peers = [peer for _, peer in sends] + [peer for _, peer in recvs]
+        actions = ["sending to"] * len(sends) + ["receiving from"] * len(recvs)
+        self._works = list(zip(works, actions, peers))
+
+    def wait(
+        self, timeout: float, describe_peer: Callable[[int], str] = lambda r: f"rank {r}", context: str = ""
+    ) -> None:
+        """Waits for every message, each for at most ``timeout`` seconds (receives first: a peer that never
+        sent is named as the one not answering)."""
+        for work, action, peer in sorted(self._works, key=lambda w: w[1] != "receiving from"):
+            _wait(work, timeout, f"{action} {describe_peer(peer)}", context)
+        self._works = []

@@ -33,6 +33,7 @@ from .elastic import join_restartable_group
 # ----------------------------------------------------------------------------------------------------------
 
 Routing = Literal["sample", "step", "fixed"]
+RoutingDomain = Literal["global", "node"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
 StageBalance = Literal["layers", "compute"]
 OuterMethod = Literal["noloco", "diloco", "ddp", "local"]
@@ -40,6 +41,7 @@ OuterDtype = Literal["float32", "bfloat16"]
 NonfiniteAction = Literal["error", "skip"]
 
 ROUTINGS: tuple[str, ...] = get_args(Routing)
+ROUTING_DOMAINS: tuple[str, ...] = get_args(RoutingDomain)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 STAGE_BALANCES: tuple[str, ...] = get_args(StageBalance)
 OUTER_METHODS: tuple[str, ...] = get_args(OuterMethod)
@@ -209,6 +211,51 @@ def check_model_init_kwargs(kwargs) -> dict:
     return {**kwargs, **({"dtype": dtype} if dtype is not None else {})}
 
 
+def processes_per_node() -> int:
+    """Processes this launch runs on each node: ``LOCAL_WORLD_SIZE`` (set by torchrun and accelerate), or the
+    whole world when it is unset (a single-machine launch)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def routing_group_size(
+    domain: str,
+    group_size: int | None,
+    num_replicas: int,
+    pipeline_stages: int,
+    procs_per_node: int | None = None,
+) -> int:
+    """Replicas per routing group: all of them (``global``), or those whose replica columns share a node
+    (``node``): ``group_size`` if given, else ``procs_per_node // pipeline_stages``. Ranks are
+    ``replica * pipeline_stages + stage`` and a node holds consecutive ranks, so the replicas of one node are
+    consecutive and their whole columns sit on it exactly when ``pipeline_stages`` divides the processes per
+    node."""
+    check_choice("routing_domain", domain, ROUTING_DOMAINS)
+    if group_size is not None:
+        if domain != "node":
+            raise ValueError(
+                f"routing_group_size={group_size} only applies to routing_domain='node' (got {domain!r})."
+            )
+        check_positive_int("routing_group_size", group_size)
+    if domain == "global":
+        return num_replicas
+    if group_size is None:
+        procs_per_node = processes_per_node() if procs_per_node is None else procs_per_node
+        if procs_per_node % pipeline_stages:
+            raise ValueError(
+                f"routing_domain='node' needs every replica column on one node, but pipeline_stages="
+                f"{pipeline_stages} does not divide the {procs_per_node} processes per node: launch a "
+                "multiple of pipeline_stages per node, or set routing_group_size explicitly."
+            )
+        group_size = max(procs_per_node // pipeline_stages, 1)
+        group_size = min(group_size, num_replicas)
+    if num_replicas % group_size:
+        raise ValueError(
+            f"routing_group_size={group_size} does not divide the {num_replicas} replicas per stage."
+        )
+    return group_size
+
+
 def is_local_dataset_path(name: str) -> bool:
     """Whether ``dataset_name`` means local files. Hub names are ``name`` or ``owner/name``; anything with a
     file extension we read, or that starts like a filesystem path, is local, and must then exist (never fall
@@ -245,6 +292,8 @@ class OuterSettings:
             itself stays float32).
         offload: keep the slow weights and the momentum on the CPU.
         seed: shared by every rank; draws the gossip groups.
+        overlap_steps: tau, inner steps that run while an outer step's exchange is in flight (0: the exchange
+            blocks, as without overlap). In [0, inner_steps]; noloco and diloco only.
     """
 
     method: OuterMethod = "noloco"
@@ -256,11 +305,19 @@ class OuterSettings:
     dtype: OuterDtype = "float32"
     offload: bool = False
     seed: int = 0
+    overlap_steps: int = 0
 
     def __post_init__(self):
         check_choice("outer_optimizer", self.method, OUTER_METHODS)
         check_choice("outer_dtype", self.dtype, OUTER_DTYPES)
+        if isinstance(self.overlap_steps, bool) or not isinstance(self.overlap_steps, int):
+            raise ValueError(f"outer_overlap_steps must be an integer, got {self.overlap_steps!r}.")
         if not self.has_outer_step:
+            if self.overlap_steps:
+                raise ValueError(
+                    f"outer_overlap_steps={self.overlap_steps} needs an outer step to overlap: it applies to "
+                    f"outer_optimizer 'noloco' and 'diloco', not {self.method!r}."
+                )
             return
         if self.method != "noloco" and self.outer_averaging is not None:
             raise ValueError("outer_averaging (gamma) only applies to outer_optimizer='noloco'.")
@@ -278,6 +335,11 @@ class OuterSettings:
             raise ValueError(
                 "inner_steps (H, inner steps per outer step) must be a positive integer, got "
                 f"{self.inner_steps!r}."
+            )
+        if not 0 <= self.overlap_steps <= self.inner_steps:
+            raise ValueError(
+                f"outer_overlap_steps (tau) must be in [0, inner_steps={self.inner_steps}]: an outer step's "
+                f"exchange must end before the next one starts, got {self.overlap_steps}."
             )
         if not (math.isfinite(self.outer_lr) and 0 < self.outer_lr <= 2):
             raise ValueError(
@@ -424,6 +486,16 @@ class NoLoCoConfig(TrainingArguments):
             (each replica column is an independent model).
         routing_seed (`int` or `None`, *optional*, defaults to `None`):
             Seed shared by all ranks for routing and gossip groups. `None` uses `seed`.
+        routing_domain (`str`, *optional*, defaults to `"global"`):
+            Which replicas a sample may be routed to: `"global"` (any replica of the next stage, wherever it
+            runs) or `"node"` (only replicas whose columns share this node, so activations and their
+            gradients never cross nodes; each node's group draws its own random pairings from the shared
+            seed). A node's group is `routing_group_size` replicas, by default the processes per node
+            (`LOCAL_WORLD_SIZE`, set by torchrun and accelerate) divided by `pipeline_stages`, which must
+            divide them. On one node both are the same. Gossip partners are still drawn among all replicas.
+        routing_group_size (`int` or `None`, *optional*, defaults to `None`):
+            With `routing_domain="node"`: replicas per routing group (consecutive replica indices; must divide
+            the number of replicas). `None`: derived from the launch as above.
 
         > Outer optimizer
 
@@ -448,6 +520,12 @@ class NoLoCoConfig(TrainingArguments):
         offload_outer_state (`bool`, *optional*, defaults to `False`):
             Keep slow weights and momentum in CPU memory (pinned when a GPU is present) to save accelerator
             memory; they stay there through Accelerate's preparation of the optimizer and through a resume.
+        outer_overlap_steps (`int`, *optional*, defaults to `0`):
+            tau (noloco, diloco): the exchange of an outer step runs in the background, on a process group of
+            its own, while the next tau inner steps run; when it ends, the update is applied keeping the local
+            progress made meanwhile (theta <- phi_new + theta_now - theta_sent). In [0, inner_steps]; 0 blocks
+            until the exchange ends (the update of the paper). Costs one more float32 copy of the stage (plus
+            the partners' copies) while in flight.
 
         > Memory and precision
 
@@ -514,6 +592,8 @@ class NoLoCoConfig(TrainingArguments):
     nonfinite: NonfiniteAction = "error"
     routing: Routing = "sample"
     routing_seed: int | None = None
+    routing_domain: RoutingDomain = "global"
+    routing_group_size: int | None = None
     outer_optimizer: OuterMethod = "noloco"
     inner_steps: int | None = None
     outer_lr: float | None = None
@@ -526,6 +606,7 @@ class NoLoCoConfig(TrainingArguments):
     # Redeclared to carry this class's --help (TrainingArguments': nargs="?" makes a bare flag mean True).
     activation_checkpointing: bool | None = field(default=None, metadata={"nargs": "?", "const": True})
     loss_chunk_tokens: int | None = 1024
+    outer_overlap_steps: int = 0
     divergence_steps: int | None = None
     export_replica: int | None = None
     merge_adapter: bool = False
@@ -559,6 +640,12 @@ class NoLoCoConfig(TrainingArguments):
         """The outer optimizer's settings, the paper's defaults filled in."""
         return outer_settings_of(self)
 
+    def resolved_routing_group_size(self, num_replicas: int) -> int:
+        """Replicas per routing group for this launch (see ``routing_domain``)."""
+        return routing_group_size(
+            self.routing_domain, self.routing_group_size, num_replicas, self.pipeline_stages
+        )
+
     def resolved_microbatch_size(self) -> int:
         if self.microbatch_size is not None:
             return self.microbatch_size
@@ -580,6 +667,7 @@ def outer_settings_of(c) -> OuterSettings:
         dtype=c.outer_dtype,
         offload=c.offload_outer_state,
         seed=seed,
+        overlap_steps=c.outer_overlap_steps,
     )
 
 
@@ -589,6 +677,9 @@ def check_config(c) -> None:
     for name in ("pipeline_stages", "per_device_train_batch_size", "per_device_eval_batch_size"):
         check_positive_int(name, getattr(c, name))
     check_choice("routing", c.routing, ROUTINGS)
+    check_choice("routing_domain", c.routing_domain, ROUTING_DOMAINS)
+    if c.routing_group_size is not None:  # the launch-dependent checks come with the mesh shape, below
+        routing_group_size(c.routing_domain, c.routing_group_size, c.routing_group_size, 1)
     check_choice("pipeline_schedule", c.pipeline_schedule, PIPELINE_SCHEDULES)
     check_choice("stage_balance", c.stage_balance, STAGE_BALANCES)
     check_choice("nonfinite", c.nonfinite, NONFINITE_ACTIONS)
@@ -650,6 +741,7 @@ def check_config(c) -> None:
     num_replicas, _ = mesh_shape(int(os.environ.get("WORLD_SIZE", "1")), c.pipeline_stages)
     settings = outer_settings_of(c)
     settings.check_replicas(num_replicas)
+    routing_group_size(c.routing_domain, c.routing_group_size, num_replicas, c.pipeline_stages)
     check_export_replica(c.export_replica, num_replicas)
 
 

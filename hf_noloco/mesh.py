@@ -8,7 +8,7 @@ replicas of the next stage, wherever they run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -41,6 +41,9 @@ class PipelineMesh:
     replica_group: dist.ProcessGroup | None
     column_group: dist.ProcessGroup | None
     device: torch.device
+    group_timeout: timedelta | None = None  # of every group this mesh makes (None: torch's default)
+    _background_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    _has_background_group: bool = field(default=False, repr=False)
 
     @classmethod
     def build(
@@ -70,7 +73,22 @@ class PipelineMesh:
             group = dist.new_group(ranks, timeout=group_timeout)
             if dist.get_rank() in ranks:
                 column_group = group
-        return cls(dist.get_rank(), world_size, num_stages, num_replicas, replica_group, column_group, device)
+        return cls(
+            dist.get_rank(), world_size, num_stages, num_replicas, replica_group, column_group, device, group_timeout
+        )
+
+    def background_replica_group(self) -> dist.ProcessGroup | None:
+        """A second process group over this stage's replicas, made on first use and kept: the overlapped
+        outer sync runs there, so its messages never queue behind (or ahead of) the pipeline's. Collective
+        the first time: every rank of the world must call it together."""
+        if not self._has_background_group:
+            for stage in range(self.num_stages):
+                ranks = [rank_of(r, stage, self.num_stages) for r in range(self.num_replicas)]
+                group = dist.new_group(ranks, timeout=self.group_timeout)
+                if self.rank in ranks:
+                    self._background_group = group
+            self._has_background_group = True
+        return self._background_group
 
     @property
     def stage(self) -> int:

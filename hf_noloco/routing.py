@@ -6,6 +6,12 @@ from ``pi_inverse[q]``. The permutation is a pure function of ``(seed, boundary,
 derives the same one without messages. The key is the sample index (``sample`` granularity, as in the
 official code), the optimizer step (``step``, as in the paper's text), or nothing (``fixed``: identity).
 
+With ``group_size`` below the number of replicas (``routing_domain: node``), the replicas are cut into
+consecutive groups of ``group_size`` (the replicas whose columns share a node, since ranks are
+``replica * pp + stage``) and the permutation maps every group onto itself: one uniformly random permutation
+per group, each drawn from ``(seed, boundary, key, group)``. A sample then never leaves its node, and every
+rank still derives the same permutation without messages.
+
 Rows keep their position within a microbatch at every stage; only the replica that computes them changes.
 The hash and shuffle are written out in plain integer arithmetic so that every platform and every torch
 version draws the same permutations.
@@ -38,6 +44,21 @@ def seeded_permutation(n: int, *keys: int) -> list[int]:
     return perm
 
 
+def grouped_permutation(n: int, group_size: int, *keys: int) -> list[int]:
+    """A uniformly random permutation of ``range(n)`` that maps each block of ``group_size`` consecutive
+    integers onto itself (block ``g`` is shuffled by ``seeded_permutation(group_size, *keys, g)``).
+    ``group_size == n`` is :func:`seeded_permutation` itself, so global routing draws what it always drew."""
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"group_size must divide n={n}, got {group_size}.")
+    if group_size == n:
+        return seeded_permutation(n, *keys)
+    perm: list[int] = []
+    for group in range(n // group_size):
+        offset = group * group_size
+        perm += [offset + r for r in seeded_permutation(group_size, *keys, group)]
+    return perm
+
+
 class Router:
     """Draws the replica pairing between neighbouring stages.
 
@@ -45,24 +66,42 @@ class Router:
         num_replicas: replicas per stage (dp).
         granularity: ``"sample"``, ``"step"`` or ``"fixed"``.
         seed: shared by every rank of the run.
+        group_size: replicas per routing group (consecutive replica indices; must divide ``num_replicas``).
+            ``None`` or ``num_replicas``: one group, any replica may receive any sample (``routing_domain:
+            global``); smaller: a sample stays within its group (``node``); 1 is the identity.
     """
 
-    def __init__(self, num_replicas: int, granularity: str = "sample", seed: int = 0):
+    def __init__(
+        self, num_replicas: int, granularity: str = "sample", seed: int = 0, group_size: int | None = None
+    ):
         check_choice("routing", granularity, ROUTINGS)
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
+        group_size = num_replicas if group_size is None else group_size
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"routing group_size must be a positive integer, got {group_size!r}.")
+        if num_replicas % group_size:
+            raise ValueError(
+                f"routing group_size={group_size} does not divide the {num_replicas} replicas per stage."
+            )
         self.num_replicas = num_replicas
         self.granularity = granularity
         self.seed = seed
+        self.group_size = group_size
         self._identity = list(range(num_replicas))
+
+    def group_of(self, replica: int) -> range:
+        """The replicas that ``replica`` may exchange samples with (itself included)."""
+        start = replica - replica % self.group_size
+        return range(start, start + self.group_size)
 
     def permutation(self, boundary: int, step: int, sample: int) -> list[int]:
         """``perm[r]`` = the replica of stage ``boundary + 1`` that receives, from replica ``r`` of stage
         ``boundary``, the sample with per-replica index ``sample`` in optimizer step ``step``."""
-        if self.granularity == "fixed" or self.num_replicas == 1:
+        if self.granularity == "fixed" or self.group_size == 1:
             return self._identity
         key = sample if self.granularity == "sample" else step
-        return seeded_permutation(self.num_replicas, self.seed, boundary, key)
+        return grouped_permutation(self.num_replicas, self.group_size, self.seed, boundary, key)
 
     def destinations(self, boundary: int, step: int, samples: range | list[int], replica: int) -> list[int]:
         """For each sample, the replica of stage ``boundary + 1`` that ``replica`` sends it to."""

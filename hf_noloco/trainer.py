@@ -170,7 +170,12 @@ class NoLoCoTrainer(Trainer):
         self.engine = PipelineEngine(
             self.model,
             self.mesh,
-            Router(self.mesh.num_replicas, args.routing, args.routing_seed),
+            Router(
+                self.mesh.num_replicas,
+                args.routing,
+                args.routing_seed,
+                group_size=args.resolved_routing_group_size(self.mesh.num_replicas),
+            ),
             args.resolved_microbatch_size(),
             p2p_timeout=args.p2p_timeout,
             # Accelerate's autocast: bf16 mixed precision when `bf16=True` (the Trainer's own helper is a
@@ -395,7 +400,10 @@ class NoLoCoTrainer(Trainer):
                         if resume_from_checkpoint
                         else "no checkpoint yet, starting over.",
                     )
-            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+            result = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+            if self.outer is not None:  # an overlapped outer step still in flight: apply it now
+                self.outer.finish_outer_step()
+            return result
         except Exception as exc:  # re-raised, with the job's first failure added
             error = self._with_root_cause(exc)
             self.watch.close()  # the diagnosis is done: no more heartbeats, and a clean exit
@@ -725,6 +733,9 @@ class NoLoCoTrainer(Trainer):
             "gossip_group_size": outer.group_size if outer.method == "noloco" else None,
             "outer_dtype": outer.dtype if outer.has_outer_step else None,
             "routing": args.routing,
+            "routing_domain": args.routing_domain,
+            "routing_group_size": args.resolved_routing_group_size(self.mesh.num_replicas),
+            "outer_overlap_steps": outer.overlap_steps if outer.has_outer_step else None,
             "pipeline_schedule": args.pipeline_schedule,
             "microbatch_size": args.resolved_microbatch_size(),
             "global_batch_size": self.get_total_train_batch_size(args),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hf_noloco.config import NoLoCoConfig
+from hf_noloco.config import NoLoCoConfig, check_config, routing_group_size
 
 
 @pytest.mark.parametrize(
@@ -16,6 +16,13 @@ from hf_noloco.config import NoLoCoConfig
         ({"stage_balance": "flops"}, "stage_balance must be one of layers, compute, got 'flops'"),
         ({"pipeline_stages": 2, "stage_boundaries": [2], "stage_balance": "compute"}, "set only one"),
         ({"per_device_train_batch_size": 6, "microbatch_size": 4}, "not a multiple of microbatch_size=4"),
+        ({"routing_domain": "rack"}, "routing_domain must be one of global, node, got 'rack'"),
+        ({"routing_group_size": 2}, r"routing_group_size=2 only applies to routing_domain='node'"),
+        (
+            {"outer_optimizer": "local", "routing_domain": "node", "routing_group_size": 0},
+            "routing_group_size must be a positive integer",
+        ),
+        ({"outer_optimizer": "local", "outer_overlap_steps": 1}, "needs an outer step to overlap"),
     ],
 )
 def test_bad_values_are_refused_naming_the_option(tmp_path, overrides, message):
@@ -152,3 +159,53 @@ def test_model_options_are_read(tmp_path):
     assert config.activation_checkpointing is True
     assert config.model_init_kwargs == {"dtype": "bfloat16", "attn_implementation": "eager"}
     assert config.loss_chunk_tokens == 1024 and config.hub_strategy == "end"
+
+
+def test_outer_overlap_steps_reach_the_outer_settings(tmp_path):
+    config = NoLoCoConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        outer_optimizer="diloco",
+        inner_steps=10,
+        outer_overlap_steps=5,
+        max_steps=10,
+    )
+    assert config.outer_settings.overlap_steps == 5
+    with pytest.raises(ValueError, match=r"outer_overlap_steps \(tau\) must be in \[0, inner_steps=10\]"):
+        NoLoCoConfig(
+            output_dir=str(tmp_path),
+            report_to="none",
+            outer_optimizer="diloco",
+            inner_steps=10,
+            outer_overlap_steps=11,
+        )
+
+
+def test_routing_group_size_from_the_launch():
+    # 2 nodes x 8 processes, pp = 2: 8 replicas, 4 of them (whole columns) on each node
+    assert routing_group_size("node", None, 8, 2, procs_per_node=8) == 4
+    assert routing_group_size("global", None, 8, 2, procs_per_node=8) == 8
+    assert routing_group_size("node", 2, 8, 2, procs_per_node=8) == 2  # explicit wins
+    assert routing_group_size("node", None, 4, 2, procs_per_node=8) == 4  # one node: the same as global
+    assert routing_group_size("node", None, 2, 2, procs_per_node=2) == 1  # one column per node: fixed
+    with pytest.raises(ValueError, match="pipeline_stages=4 does not divide the 6 processes per node"):
+        routing_group_size("node", None, 3, 4, procs_per_node=6)
+    with pytest.raises(ValueError, match="routing_group_size=3 does not divide the 8 replicas"):
+        routing_group_size("node", 3, 8, 2, procs_per_node=8)
+
+
+def test_node_routing_is_checked_against_the_launch(tmp_path, monkeypatch):
+    """check_config runs before the process group is joined, on every rank, with the launch's environment."""
+    config = NoLoCoConfig(
+        output_dir=str(tmp_path), report_to="none", outer_optimizer="local", routing_domain="node"
+    )
+    assert config.resolved_routing_group_size(1) == 1
+    config.outer_optimizer, config.pipeline_stages = "noloco", 4
+    monkeypatch.setenv("WORLD_SIZE", "12")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    with pytest.raises(ValueError, match="pipeline_stages=4 does not divide the 6 processes per node"):
+        check_config(config)
+    config.pipeline_stages = 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    check_config(config)
+    assert config.resolved_routing_group_size(6) == 2

@@ -89,3 +89,73 @@ def test_routing_matrix_is_uniform():
 
 def test_group_rows_by_peer_keeps_row_order():
     assert group_rows_by_peer([2, 0, 2, 1, 0]) == {2: [0, 2], 0: [1, 4], 1: [3]}
+
+
+# --- routing_domain: node (groups of replicas that share a node) -------------------------------------------
+
+
+def test_node_groups_are_bijections_within_each_group():
+    n, g = 8, 4  # e.g. 2 nodes x 8 processes at pp=2: 4 replicas per node
+    router = Router(n, "sample", seed=11, group_size=g)
+    for boundary in range(3):
+        for sample in range(200):
+            perm = router.permutation(boundary, 0, sample)
+            assert sorted(perm) == list(range(n))
+            for r in range(n):
+                assert perm[r] // g == r // g  # never leaves its node
+                assert perm[r] in router.group_of(r)
+    assert list(router.group_of(5)) == [4, 5, 6, 7]
+
+
+def test_node_groups_every_rank_derives_the_same_permutation():
+    # Each rank builds its own Router from the shared settings: the draws agree without any message.
+    routers = [Router(6, "sample", seed=3, group_size=3) for _ in range(6)]
+    for sample in range(100):
+        perms = {tuple(r.permutation(1, 0, sample)) for r in routers}
+        assert len(perms) == 1
+    for replica in range(6):
+        samples = range(40, 80)
+        dests = routers[replica].destinations(0, 0, samples, replica)
+        for sample, dest in zip(samples, dests):
+            assert routers[dest].sources(0, 0, [sample], dest) == [replica]
+
+
+def test_node_groups_are_uniform_and_independent():
+    """Chi-square within each group of 3: every (sender, receiver) pair ~ samples / 3 times; and the two
+    groups' draws are not the same permutation (each group has its own stream)."""
+    n, g, samples = 6, 3, 6000
+    router = Router(n, "sample", seed=99, group_size=g)
+    counts = [[0] * g for _ in range(n)]
+    same = 0
+    for k in range(samples):
+        perm = router.permutation(0, 0, k)
+        for sender, receiver in enumerate(perm):
+            counts[sender][receiver % g] += 1
+        same += [p % g for p in perm[:g]] == [p % g for p in perm[g:]]
+    expected = samples / g
+    for group in range(n // g):
+        rows = counts[group * g : (group + 1) * g]
+        chi2 = sum((c - expected) ** 2 / expected for row in rows for c in row)
+        assert chi2 < 18.5, rows  # (g-1)^2 = 4 degrees of freedom; P(chi2 > 18.5) = 0.001
+    # two independent uniform permutations of 3 coincide with probability 1/6
+    assert abs(same / samples - 1 / 6) < 4 * math.sqrt((1 / 6) * (5 / 6) / samples)
+
+
+def test_global_domain_draws_what_it_always_drew():
+    for seed, boundary, key in [(0, 0, 0), (7, 1, 33), (123, 2, 5)]:
+        assert Router(4, "sample", seed=seed, group_size=4).permutation(
+            boundary, 0, key
+        ) == seeded_permutation(4, seed, boundary, key)
+        assert Router(4, "sample", seed=seed).permutation(boundary, 0, key) == seeded_permutation(
+            4, seed, boundary, key
+        )
+
+
+def test_group_size_one_is_fixed_and_bad_sizes_are_refused():
+    assert all(Router(4, "sample", group_size=1).permutation(0, 0, k) == [0, 1, 2, 3] for k in range(20))
+    step = Router(4, "step", seed=1, group_size=2)
+    assert len({tuple(step.permutation(0, 5, k)) for k in range(20)}) == 1
+    with pytest.raises(ValueError, match="does not divide the 6 replicas"):
+        Router(6, "sample", group_size=4)
+    with pytest.raises(ValueError, match="positive integer"):
+        Router(6, "sample", group_size=0)
