@@ -12,8 +12,9 @@ carry):
   with it (sample id, token count, labels, attention mask, positions: ``8 * (2 + 3 * seq_len)`` bytes), and
   its gradient comes back (``seq_len x hidden_size``). With ``sample``/``step`` routing the receiving
   replica is uniform over the sender's routing group (all replicas, or with ``routing_domain: node`` those
-  of its node); random routing is counted by its expectation. ``fixed`` routing (or a group of one) keeps
-  every sample in its replica column.
+  of its node); random routing is counted by its expectation, or, given the samples a run really trained
+  (``routing_keys``), by the router's own draws for them. ``fixed`` routing (or a group of one) keeps every
+  sample in its replica column.
 - **sync**: ``ddp`` all-reduces the gradients every step, ``diloco`` the pseudo-gradients every
   ``inner_steps``, both counted as a ring all-reduce over the stage's replicas in replica order (each rank
   sends ``2 (n - 1) / n`` of the buffer to the next replica: what gloo does; NCCL picks its own rings and
@@ -39,6 +40,7 @@ from .config import (
     check_positive_int,
     mesh_shape,
 )
+from .routing import Router
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -185,6 +187,8 @@ def step_traffic(
     stage_params: Sequence[int] | None = None,
     stage_boundaries: Sequence[int] | None = None,
     stage_balance: str = "layers",
+    routing_seed: int = 0,
+    routing_keys: Sequence[tuple[int, int]] | None = None,
 ) -> Traffic:
     """The bytes every rank sends per step, split into those that cross node boundaries and those that stay.
 
@@ -200,6 +204,9 @@ def step_traffic(
             for float32 weights, 2 for bfloat16 ones). ``grad_bytes``: per gradient value (ddp).
         stage_params: parameters of each stage; ``None`` splits ``config`` as training would
             (``stage_boundaries``, ``stage_balance``).
+        routing_keys: ``(step, per-replica sample index)`` of the samples a run trained (``batch_size`` per
+            step), e.g. a measured window: the pipeline bytes are then counted with the router's real
+            permutations for them (``routing_seed``) instead of their expectation.
     """
     check_choice("routing", routing, ROUTINGS)
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("procs_per_node", procs_per_node)):
@@ -223,12 +230,20 @@ def step_traffic(
     def node(replica: int, stage: int) -> int:
         return node_of(replica * pp + stage, procs_per_node)
 
+    router = Router(num_replicas, routing, routing_seed, group_size=group) if routing_keys else None
+
     def routed(replica: int, stage: int, other_stage: int, nbytes: float) -> tuple[float, float]:
         """(cross, intra) bytes per step of ``batch_size`` samples sent from ``(replica, stage)`` to the
-        replicas of ``other_stage`` its routing group may pick, each with probability 1 / group."""
-        start = replica - replica % group
-        peers = range(start, start + group)
-        crossing = sum(node(q, other_stage) != node(replica, stage) for q in peers) / group
+        replicas of ``other_stage`` its routing group may pick, each with probability 1 / group (or, with
+        ``routing_keys``, the replicas the router really picked)."""
+        if router is None:
+            start = replica - replica % group
+            peers = list(range(start, start + group))
+        elif other_stage > stage:  # forward: replica r of stage b sends to perm[r] of stage b + 1
+            peers = [router.permutation(stage, step, k)[replica] for step, k in routing_keys]
+        else:  # backward: the gradient goes back to the replica that sent the sample
+            peers = [router.permutation(other_stage, step, k).index(replica) for step, k in routing_keys]
+        crossing = sum(node(q, other_stage) != node(replica, stage) for q in peers) / len(peers)
         total = batch_size * nbytes
         return total * crossing, total * (1 - crossing)
 

@@ -260,6 +260,27 @@ def test_model_matches_the_bytes_the_engine_sends(group_size):
         )
         if group_size is not None:
             assert crossing(pipeline) == 0  # node routing: no activation or gradient leaves its node
+    # The model fed with the samples the run trained counts the router's real draws: exact, rank by rank.
+    keys = [(step, k) for step in range(STEPS) for k in range(step * ROWS, (step + 1) * ROWS)]
+    realized = step_traffic(
+        config,
+        seq_len=SEQ,
+        batch_size=ROWS,
+        pipeline_stages=PP,
+        num_replicas=DP,
+        procs_per_node=PPN,
+        routing_group_size=group_size,
+        outer=outer,
+        stage_params=stage_params,
+        routing_seed=4,
+        routing_keys=keys,
+    )
+    for out, r in zip(results, realized.ranks):
+        home = node_of(out["rank"], PPN)
+        measured = sum(
+            n for dst, n, phase in out["sent"] if phase == "pipeline" and node_of(dst, PPN) != home
+        )
+        assert measured == pytest.approx(STEPS * r.pipeline_cross, rel=1e-12, abs=1e-6)
     if group_size is None:
         assert sum(r.pipeline_cross for r in model.ranks) > 0
     assert math.isclose(
