@@ -1,9 +1,11 @@
 """The (dp, pp) process mesh: which stage and which replica this process is, and the groups it talks in.
 
 Ranks of one pipeline column (one replica, all stages) are consecutive, ``rank = replica * pp + stage``, so a
-column sits on one node when ``pp`` divides the processes per node. That keeps pipeline traffic inside the
-node only under ``fixed`` routing: with ``sample``/``step`` routing a sample's next replica is drawn among all
-replicas of the next stage, wherever they run.
+column sits on one node when ``pp`` divides the processes per node. The mesh alone does not keep pipeline
+traffic inside a node: with ``sample``/``step`` routing and ``routing_domain: global`` a sample's next replica
+is drawn among all replicas of the next stage, wherever they run. ``routing_domain: node`` draws it among the
+replicas of the sender's node (:class:`hf_noloco.routing.Router` with a ``group_size``), and so does
+``fixed`` routing trivially; then only outer syncs cross nodes (``hf_noloco.traffic`` counts the bytes).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class PipelineMesh:
         num_stages / num_replicas: the mesh shape (pp, dp).
         replica_group: the ``num_replicas`` processes that hold this stage (outer sync, ddp, divergence).
         column_group: the ``num_stages`` processes of this replica (loss broadcast, export).
+        A second group over this stage's replicas, for overlapped outer syncs, is made on first use
+        (:meth:`background_replica_group`).
     """
 
     rank: int

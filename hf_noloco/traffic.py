@@ -292,3 +292,99 @@ def step_traffic(
             )
         )
     return Traffic(tuple(ranks), procs_per_node)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The table (python -m hf_noloco.traffic)
+# ----------------------------------------------------------------------------------------------------------
+
+LLAMA_3_8B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
+
+# (label, method, routing, routing domain, outer dtype)
+TABLE_ROWS = [
+    ("ddp, `sample` routing", "ddp", "sample", "global", "float32"),
+    ("diloco (H=100), `sample` routing", "diloco", "sample", "global", "float32"),
+    ("noloco (H=50), `sample` routing, global", "noloco", "sample", "global", "float32"),
+    ("noloco (H=50), `sample` routing, node", "noloco", "sample", "node", "float32"),
+    ("noloco (H=50), `fixed` routing", "noloco", "fixed", "global", "float32"),
+    ("noloco (H=50), node routing, `outer_dtype: bfloat16`", "noloco", "sample", "node", "bfloat16"),
+]
+
+
+def traffic_table(
+    config, seq_len: int, batch_size: int, pipeline_stages: int, num_replicas: int, procs_per_node: int,
+    activation_bytes: int = 4,
+) -> str:  # fmt: skip
+    """A markdown table of :func:`step_traffic` for the usual configurations of one placement (MiB per step
+    and rank, means over ranks; the last column what leaves the busiest node)."""
+    stage_params = stage_parameter_counts(config, pipeline_stages)
+    lines = [
+        "| configuration | pipeline, crossing | pipeline, inside | sync, crossing | sync, inside "
+        "| leaves a node (GiB/step) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, method, routing, domain, dtype in TABLE_ROWS:
+        group = None
+        if domain == "node":
+            group = max(min(procs_per_node // pipeline_stages, num_replicas), 1)
+        t = step_traffic(
+            config,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            pipeline_stages=pipeline_stages,
+            num_replicas=num_replicas,
+            procs_per_node=procs_per_node,
+            routing=routing,
+            routing_group_size=group,
+            outer=OuterSettings(method, dtype=dtype) if method != "ddp" else OuterSettings("ddp"),
+            activation_bytes=activation_bytes,
+            stage_params=stage_params,
+        )
+        sync_cross = t.mean("cross_per_step") - t.mean("pipeline_cross")
+        sync_intra = t.mean("intra_per_step") - t.mean("pipeline_intra")
+        busiest = max(t.node_egress_per_step(n) for n in range(t.num_nodes))
+        mib = lambda x: f"{x / 2**20:,.0f}"
+        pipeline = f"{mib(t.mean('pipeline_cross'))} | {mib(t.mean('pipeline_intra'))}"
+        lines.append(
+            f"| {label} | {pipeline} | {mib(sync_cross)} | {mib(sync_intra)} | {busiest / 2**30:,.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_noloco.traffic",
+        description="Bytes per step and rank that cross node boundaries, and that stay inside nodes, for the "
+        "usual methods and routings of one placement (a markdown table).",
+    )
+    parser.add_argument("--model", default="llama-3-8b", help="a config.json path, a Hub id, or llama-3-8b")
+    parser.add_argument("--seq_len", type=int, default=4096)
+    parser.add_argument("--batch_size", type=int, default=8, help="samples per replica and step")
+    parser.add_argument("--pipeline_stages", type=int, default=4)
+    parser.add_argument("--num_replicas", type=int, default=8)
+    parser.add_argument("--procs_per_node", type=int, default=8)
+    parser.add_argument("--activation_bytes", type=int, default=4, help="4: float32 weights, 2: bfloat16")
+    args = parser.parse_args(argv)
+    if args.model == "llama-3-8b":
+        config = LLAMA_3_8B
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.model)
+    placement = (args.pipeline_stages, args.num_replicas, args.procs_per_node)
+    print(traffic_table(config, args.seq_len, args.batch_size, *placement, args.activation_bytes))
+
+
+if __name__ == "__main__":
+    main()
