@@ -91,7 +91,7 @@ SETTINGS = {
         seq_len=128,
         microbatch_size=2,
         inner_steps=20,
-        overlap_steps=19,
+        overlap_steps=10,  # tau / H = 0.5, the ratio of the convergence check's tau = 5 at H = 10
         ddp_steps=3,
         rounds=3,
         configs="all",
