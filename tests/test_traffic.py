@@ -298,9 +298,8 @@ def test_model_matches_the_bytes_the_engine_sends(group_size):
 def test_readme_tables_are_the_models_output():
     from hf_noloco.traffic import LLAMA_3_8B, traffic_table
 
-    readme = open(
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-    ).read()
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        readme = f.read()
     for procs_per_node in (8, 4):
         table = traffic_table(LLAMA_3_8B, 4096, 8, 4, 8, procs_per_node)
         assert table in readme, table
