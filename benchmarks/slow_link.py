@@ -216,6 +216,14 @@ def reference_node_bytes_per_step(reference: dict = REFERENCE_8B) -> float:
     return traffic.node_egress_per_step(0)
 
 
+def reference_summary(setting: dict, reference: dict = REFERENCE_8B) -> dict:
+    """The 8B reference's numbers, and its NoLoCo (node routing) link-time / compute-time ratio per rate."""
+    seconds, node_bytes = reference_step_seconds(reference), reference_node_bytes_per_step(reference)
+    gbits = setting.get("link_gbits", reference["link_gbits"])
+    ratios = {str(g): node_bytes * 8 / (g * 1e9) / seconds for g in gbits}
+    return dict(reference, step_seconds=seconds, node_bytes_per_step=node_bytes, link_over_compute=ratios)
+
+
 def scaled_rates(setting: dict, step_seconds: float, reference: dict = REFERENCE_8B) -> dict[float, float]:
     """``{8B link Gbit/s: emulated bit/s}``: for NoLoCo with node routing (only its outer sync crosses), the
     time a step's share of the outer sync takes on the link, over a step's compute time, is the same here as
@@ -572,6 +580,16 @@ def summarize(setting: dict, runs: list[dict], measured: dict) -> dict:
                 for w, n in zip(ws, syncs)
             ]
             measured_bytes = [w["link_bytes"] for w in ws]
+            # What the link costs against compute here: the busiest node's outgoing bytes at the link rate,
+            # over the same configuration's unlimited window of the same round (its compute time).
+            link_over_compute = None
+            if rate_key != "unlimited":
+                bits = measured["rates"][rate_key]
+                link_over_compute = statistics.median(
+                    max(n["tx_bytes"] for n in w["link_per_node"]) * 8 / bits / u["seconds"]
+                    for w in ws
+                    if (u := by.get((run["name"], "unlimited", w["round"]))) is not None
+                )
             rows.append(
                 dict(
                     config=run["name"],
@@ -581,6 +599,7 @@ def summarize(setting: dict, runs: list[dict], measured: dict) -> dict:
                     tokens_per_second_rounds=tps,
                     vs_unlimited=statistics.median(ratios) if ratios else None,
                     vs_unlimited_rounds=ratios,
+                    link_over_compute=link_over_compute,
                     predicted_link_bytes_per_window=statistics.mean(predicted),
                     measured_link_bytes_per_window=statistics.mean(measured_bytes),
                     measured_over_predicted=(sum(measured_bytes) / sum(predicted))
@@ -642,10 +661,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args.worker)
         return 0
-    if args.replot:
+    if args.replot:  # summary (from the recorded windows), table and plot again; nothing is measured
         with open(args.replot) as f:
             result = json.load(f)
-        plot(result, os.path.splitext(args.replot)[0] + ".png")
+        measured = {k: result[k] for k in ("rates", "windows")}
+        result["summary"] = summarize(result["setting"], configurations(result["setting"]), measured)
+        result["reference_8b"] = reference_summary(result["setting"])
+        finish(result, args.replot)
         return 0
     # Ctrl-C raises KeyboardInterrupt; a plain kill (SIGTERM, SIGHUP) must unwind the same way, so that the
     # launched nodes are stopped and the namespaces deleted.
@@ -671,11 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(
         mode=mode,
         setting=setting,
-        reference_8b=dict(
-            REFERENCE_8B,
-            step_seconds=reference_step_seconds(),
-            node_bytes_per_step=reference_node_bytes_per_step(),
-        ),
+        reference_8b=reference_summary(setting),
         rates=measured["rates"],
         calibration_step_seconds=measured["calibration_step_seconds"],
         machine=dict(cores=os.cpu_count(), platform=platform.platform(), python=platform.python_version()),
@@ -684,7 +702,12 @@ def main(argv: list[str] | None = None) -> int:
         summary=summarize(setting, runs, measured),
         windows=measured["windows"],
     )
-    output = args.output or (RESULTS if not args.quick else None)
+    finish(result, args.output or (RESULTS if not args.quick else None))
+    return 0
+
+
+def finish(result: dict, output: str | None) -> None:
+    """Prints the summary; writes the JSON and the plot to ``output`` (and its .png) unless it is None."""
     for row in result["summary"]:
         keep = "" if row["vs_unlimited"] is None else f"{row['vs_unlimited']:.2f} of unlimited"
         ratio = row["measured_over_predicted"]
@@ -700,7 +723,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=1)
         plot(result, os.path.splitext(output)[0] + ".png")
         print(f"wrote {output} and {os.path.splitext(output)[0]}.png")
-    return 0
 
 
 if __name__ == "__main__":

@@ -82,6 +82,14 @@ def test_quick_run_measures_the_link_and_tears_it_down(tmp_path):
     assert rows["ddp global", "1"]["vs_unlimited"] < 0.5
     for window in result["windows"]:
         assert window["load"] >= 0 and window["seconds"] > 0
+    # --replot recomputes the summary from the recorded windows alone
+    summary = result["summary"]
+    done = subprocess.run(
+        [sys.executable, SCRIPT, "--replot", str(out)], env=_env(tmp_path), capture_output=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["summary"] == summary
+    assert all(r["link_over_compute"] > 0 for r in summary if r["rate"] != "unlimited")
 
 
 @needs_namespaces
