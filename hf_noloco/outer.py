@@ -29,11 +29,9 @@ import torch.distributed as dist
 from hf_noloco.comm import (
     PendingExchange,
     consecutive_buckets,
-    exchange,
     flatten,
     unflatten_into,
     wait_collective,
-    wait_sends,
 )
 from hf_noloco.config import OuterSettings
 from hf_noloco.gossip import diloco_update_, divergence_from_partners, gossip_groups, group_of, noloco_update_
@@ -386,14 +384,11 @@ class OuterOptimizer(torch.optim.Optimizer):
             outgoing = self._noloco_outgoing(b, theta)
             incoming = [[torch.empty_like(t) for t in outgoing] for _ in peers]
             # Two messages to the same peer are matched in the order listed: theta, then phi.
-            pending = exchange(
+            PendingExchange(
                 [(t, peer) for peer in peers for t in outgoing],
                 [(t, peer) for peer, bufs in zip(peers, incoming) for t in bufs],
-                self.p2p_timeout,
-                mesh.describe_rank,
-                context,
-            )
-            wait_sends(pending, self.p2p_timeout, context)
+                None,
+            ).wait(self.p2p_timeout, mesh.describe_rank, context)
             sq_dist += self._noloco_combine(b, theta, outgoing, incoming, peers, context)
             unflatten_into(params, self._phi_flat[b].to(theta.device))  # theta <- phi
         self.last_groups = groups
