@@ -37,6 +37,8 @@ def exchange(
     timeout: float,
     describe_peer: Callable[[int], str] = lambda rank: f"rank {rank}",
     context: str = "",
+    group: dist.ProcessGroup | None = None,
+    receives_first: bool = False,
 ) -> list[tuple[dist.Work, str]]:
     """Posts every send and receive as one batch (``batch_isend_irecv``) and waits for the receives.
 
@@ -44,27 +46,48 @@ def exchange(
     order they are posted. Returns the sends still in flight as ``(Work, what it is)`` pairs: the caller keeps
     the sent tensors alive until :func:`wait_sends` has waited for them. gloo returns one Work per operation;
     NCCL one for the whole batch, which then completes (or fails, naming every peer of the batch) as a whole.
+    ``group``: the process group (None: the default one). ``receives_first`` posts the receives before the
+    sends (see :func:`post`).
     """
-    ops = [dist.P2POp(dist.isend, tensor, peer) for tensor, peer in sends]
-    ops += [dist.P2POp(dist.irecv, tensor, peer) for tensor, peer in recvs]
-    if not ops:
-        return []
-    works = dist.batch_isend_irecv(ops)
-    if len(works) == len(ops):
-        send_works, recv_works = works[: len(sends)], works[len(sends) :]
-        for work, (_, peer) in zip(recv_works, recvs):
-            _wait(work, timeout, f"receiving from {describe_peer(peer)}", context)
-        pending = [(work, f"sending to {describe_peer(peer)}") for work, (_, peer) in zip(send_works, sends)]
-    else:
-        what = _batch_description(sends, recvs, describe_peer)
-        pending = [(work, what) for work in works]
-        if recvs:
-            wait_sends(pending, timeout, context)
-            pending = []
+    received, pending = post(sends, recvs, describe_peer, group, receives_first)
+    wait_sends(received, timeout, context)
     if strict_p2p():
         wait_sends(pending, timeout, context)
         pending = []
     return pending
+
+
+def post(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    describe_peer: Callable[[int], str] = lambda rank: f"rank {rank}",
+    group: dist.ProcessGroup | None = None,
+    receives_first: bool = False,
+) -> tuple[list[tuple[dist.Work, str]], list[tuple[dist.Work, str]]]:
+    """Posts one batch and returns ``(received, sent)``, ``(Work, what it is)`` pairs: wait for ``received``
+    before reading a receive buffer, for ``sent`` before reusing a send buffer. A backend that returns one
+    Work for the whole batch (NCCL) puts it under ``received`` when the batch receives anything.
+
+    ``receives_first``: under gloo, two ranks that both post their send before their receive move the two
+    directions one after the other (measured on a rate-limited link: half the rate each way, twice the time,
+    for the outer sync's exchange of whole stages); receives posted first let both directions flow at once.
+    Within one batch NCCL does not care about the order."""
+    send_ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
+    recv_ops = [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in recvs]
+    ops = recv_ops + send_ops if receives_first else send_ops + recv_ops
+    if not ops:
+        return [], []
+    works = dist.batch_isend_irecv(ops)
+    if len(works) == len(ops):
+        if receives_first:
+            recv_works, send_works = works[: len(recvs)], works[len(recvs) :]
+        else:
+            send_works, recv_works = works[: len(sends)], works[len(sends) :]
+        received = [(w, f"receiving from {describe_peer(peer)}") for w, (_, peer) in zip(recv_works, recvs)]
+        sent = [(w, f"sending to {describe_peer(peer)}") for w, (_, peer) in zip(send_works, sends)]
+        return received, sent
+    batch = [(work, _batch_description(sends, recvs, describe_peer)) for work in works]
+    return (batch, []) if recvs else ([], batch)
 
 
 def _batch_description(sends, recvs, describe_peer) -> str:
@@ -247,34 +270,25 @@ def consecutive_buckets(sizes: Sequence[int], limit: float) -> list[list[int]]:
 
 
 class PendingExchange:
-    """Sends and receives posted now, on ``group``, and waited for later: the outer sync's exchange, running
-    in the background while inner steps go on (``outer_overlap_steps``) or waited for at once. Under gloo the
-    transfers progress in gloo's own threads, under NCCL on the group's own stream; either way the caller
-    keeps computing. The tensors must stay untouched until :meth:`wait` returns. ``sends``/``recvs`` are
-    ``(tensor, global peer rank)`` pairs; messages to one peer arrive in the order listed."""
+    """Sends and receives posted now (:func:`post`, receives first), on ``group``, and waited for later: the
+    outer sync's exchange, running in the background while inner steps go on (``outer_overlap_steps``) or
+    waited for at once. Under gloo the transfers progress in gloo's own threads, under NCCL on the group's own
+    stream; either way the caller keeps computing. The tensors must stay untouched until :meth:`wait`
+    returns. ``sends``/``recvs`` are ``(tensor, global peer rank)`` pairs; messages to one peer arrive in the
+    order listed."""
 
     def __init__(
         self,
         sends: Sequence[tuple[torch.Tensor, int]],
         recvs: Sequence[tuple[torch.Tensor, int]],
         group: dist.ProcessGroup | None,
+        describe_peer: Callable[[int], str] = lambda rank: f"rank {rank}",
     ):
-        # Receives first: under gloo, a pair of ranks that both post their send before their receive moves the
-        # two directions one after the other (measured on a rate-limited link: half the rate each way, twice
-        # the time); receives posted first let both directions flow at once. One batch: NCCL needs a pair's
-        # sends and receives grouped (then their order within the batch does not matter).
-        ops = [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in recvs]
-        ops += [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        peers = [peer for _, peer in recvs] + [peer for _, peer in sends]
-        actions = ["receiving from"] * len(recvs) + ["sending to"] * len(sends)
-        self._works = list(zip(works, actions, peers))
+        self._received, self._sent = post(sends, recvs, describe_peer, group, receives_first=True)
 
-    def wait(
-        self, timeout: float, describe_peer: Callable[[int], str] = lambda r: f"rank {r}", context: str = ""
-    ) -> None:
+    def wait(self, timeout: float, context: str = "") -> None:
         """Waits for every message, each for at most ``timeout`` seconds (receives first: a peer that never
         sent is named as the one not answering)."""
-        for work, action, peer in sorted(self._works, key=lambda w: w[1] != "receiving from"):
-            _wait(work, timeout, f"{action} {describe_peer(peer)}", context)
-        self._works = []
+        wait_sends(self._received, timeout, context)
+        wait_sends(self._sent, timeout, context)
+        self._received, self._sent = [], []

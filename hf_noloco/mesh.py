@@ -77,9 +77,9 @@ class PipelineMesh:
             group = dist.new_group(ranks, timeout=group_timeout)
             if dist.get_rank() in ranks:
                 column_group = group
-        return cls(
-            dist.get_rank(), world_size, num_stages, num_replicas, replica_group, column_group, device, group_timeout
-        )
+        mesh = cls(dist.get_rank(), world_size, num_stages, num_replicas, replica_group, column_group, device)
+        mesh.group_timeout = group_timeout  # the background group, made later, gets it too
+        return mesh
 
     def background_replica_group(self) -> dist.ProcessGroup | None:
         """A second process group over this stage's replicas, made on first use and kept: the overlapped

@@ -29,9 +29,11 @@ import torch.distributed as dist
 from hf_noloco.comm import (
     PendingExchange,
     consecutive_buckets,
+    exchange,
     flatten,
     unflatten_into,
     wait_collective,
+    wait_sends,
 )
 from hf_noloco.config import OuterSettings
 from hf_noloco.gossip import diloco_update_, divergence_from_partners, gossip_groups, group_of, noloco_update_
@@ -276,7 +278,7 @@ class OuterOptimizer(torch.optim.Optimizer):
     def _combine_in_flight(self, flight: _InFlight) -> None:
         """Waits for the exchange and folds it into phi and delta (``flight.theta`` is used up)."""
         if flight.method == "noloco":
-            flight.exchange.wait(self.p2p_timeout, self.mesh.describe_rank, flight.context)
+            flight.exchange.wait(self.p2p_timeout, flight.context)
             sq_dist = 0.0
             for b in range(len(self._buckets)):
                 sq_dist += self._noloco_combine(
@@ -306,7 +308,7 @@ class OuterOptimizer(torch.optim.Optimizer):
             flight.theta.append(theta)
             flight.outgoing.append(outgoing)
             flight.incoming.append(incoming)
-        flight.exchange = PendingExchange(sends, recvs, self._background_group)
+        flight.exchange = PendingExchange(sends, recvs, self._background_group, self.mesh.describe_rank)
         self.last_groups = groups
         return flight
 
@@ -384,11 +386,16 @@ class OuterOptimizer(torch.optim.Optimizer):
             outgoing = self._noloco_outgoing(b, theta)
             incoming = [[torch.empty_like(t) for t in outgoing] for _ in peers]
             # Two messages to the same peer are matched in the order listed: theta, then phi.
-            PendingExchange(
+            # Receives first: both directions of a pair then flow at once under gloo (see comm.post).
+            pending = exchange(
                 [(t, peer) for peer in peers for t in outgoing],
                 [(t, peer) for peer, bufs in zip(peers, incoming) for t in bufs],
-                None,
-            ).wait(self.p2p_timeout, mesh.describe_rank, context)
+                self.p2p_timeout,
+                mesh.describe_rank,
+                context,
+                receives_first=True,
+            )
+            wait_sends(pending, self.p2p_timeout, context)
             sq_dist += self._noloco_combine(b, theta, outgoing, incoming, peers, context)
             unflatten_into(params, self._phi_flat[b].to(theta.device))  # theta <- phi
         self.last_groups = groups
@@ -515,7 +522,7 @@ class OuterOptimizer(torch.optim.Optimizer):
         flight, self._in_flight = self._in_flight, None
         if flight is not None and not flight.combined:
             if flight.exchange is not None:
-                flight.exchange.wait(self.p2p_timeout, self.mesh.describe_rank, flight.context)
+                flight.exchange.wait(self.p2p_timeout, flight.context)
             for work in flight.works:
                 wait_collective(work, self.p2p_timeout, flight.context)
         with torch.no_grad():

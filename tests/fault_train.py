@@ -116,14 +116,14 @@ def install_fault(trainer, rank: int) -> None:
     elif kind == "kill-outer":
         from hf_noloco import outer
 
-        exchange = outer.PendingExchange
+        exchange = outer.exchange
 
         def die_in_exchange(*args, **kwargs):
             if trainer.state.global_step == step - 1:  # the outer step runs inside optimizer.step()
                 die()
             return exchange(*args, **kwargs)
 
-        outer.PendingExchange = die_in_exchange
+        outer.exchange = die_in_exchange
     elif kind == "kill-save":
         from safetensors.torch import save_file
 
