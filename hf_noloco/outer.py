@@ -412,7 +412,8 @@ class OuterOptimizer(torch.optim.Optimizer):
         peers: list[int],
         context: str,
     ) -> float:
-        """Folds bucket ``b``'s exchange into phi and delta; returns the squared distance to the partners.
+        """Folds bucket ``b``'s exchange into phi and delta; returns the squared distance to the partners (0
+        for the tied mirror's bucket, which the other stage counts).
         ``theta`` (our float32 fast weights) and the receive buffers are used as scratch space."""
         mesh, settings = self.mesh, self.settings
         group_n = len(peers) + 1
