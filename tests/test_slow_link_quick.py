@@ -104,7 +104,9 @@ def test_ctrl_c_stops_the_nodes_and_deletes_the_namespaces(tmp_path):
     )
     names = {f"hfnl{proc.pid}a", f"hfnl{proc.pid}b"}
     deadline = time.monotonic() + 120
-    while not _processes_mentioning(f"{tmp_path}/"):  # the torchruns (and workers) are up
+    # The torchruns (and workers) are up: processes other than the script itself, whose own command line
+    # names tmp_path too (its --output), mention the run's plan under tmp_path.
+    while not set(_processes_mentioning(f"{tmp_path}/")) - {proc.pid}:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
         time.sleep(0.2)
     assert names <= set(_namespaces())
