@@ -670,7 +670,10 @@ def main(argv: list[str] | None = None) -> int:
         finish(result, args.replot)
         return 0
     # Ctrl-C raises KeyboardInterrupt; a plain kill (SIGTERM, SIGHUP) must unwind the same way, so that the
-    # launched nodes are stopped and the namespaces deleted.
+    # launched nodes are stopped and the namespaces deleted. SIGINT is set explicitly: a process started
+    # with SIGINT ignored (a background job of a script, or a parent that ignores it) inherits that, and
+    # Python then installs no KeyboardInterrupt handler, so Ctrl-C would be ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     problem = namespace_problem()
