@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from hf_noloco.traffic import LLAMA_3_8B
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results", "slow_link.json")
@@ -56,16 +58,7 @@ MTU = 9000  # jumbo frames: TCP/IP headers ~1% of the bytes (~5% at 1500)
 # time from 6 * parameters * tokens + causal attention FLOPs at 40% of an H100's 989 TFLOP/s, times the 1F1B
 # bubble (microbatches + stages - 1) / microbatches with 8 microbatches of one sample.
 REFERENCE_8B = dict(
-    model=dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-    ),
+    model=LLAMA_3_8B,  # the config of the README's traffic tables
     pp=4,
     seq_len=4096,
     rows=8,

@@ -258,17 +258,13 @@ class OuterOptimizer(torch.optim.Optimizer):
         flight = self._in_flight
         if flight is None:
             return
+        # Local progress first: the combination uses theta_k (flight.theta) as scratch space.
+        progress = [
+            flatten([self.params[i] for i in bucket], torch.float32).sub_(sent)
+            for bucket, sent in zip(self._buckets, flight.theta)
+        ]
         if not flight.combined:
-            # theta_k becomes the group mean inside the combination, so take the local progress out first.
-            progress = [flatten([self.params[i] for i in bucket], torch.float32) for bucket in self._buckets]
-            for now, sent in zip(progress, flight.theta):
-                now.sub_(sent)
             self._combine_in_flight(flight)
-        else:
-            progress = [
-                flatten([self.params[i] for i in bucket], torch.float32).sub_(sent)
-                for bucket, sent in zip(self._buckets, flight.theta)
-            ]
         for b, bucket in enumerate(self._buckets):
             now = progress[b].add_(self._phi_flat[b].to(progress[b].device))
             unflatten_into([self.params[i] for i in bucket], now)
@@ -301,10 +297,9 @@ class OuterOptimizer(torch.optim.Optimizer):
         sends, recvs = [], []
         for b, bucket in enumerate(self._buckets):
             theta = flatten([self.params[i] for i in bucket], torch.float32)
-            outgoing = self._noloco_outgoing(b, theta)
-            incoming = [[torch.empty_like(t) for t in outgoing] for _ in peers]
-            sends += [(t, peer) for peer in peers for t in outgoing]
-            recvs += [(t, peer) for peer, bufs in zip(peers, incoming) for t in bufs]
+            outgoing, incoming, bucket_sends, bucket_recvs = self._noloco_messages(b, theta, peers)
+            sends += bucket_sends
+            recvs += bucket_recvs
             flight.theta.append(theta)
             flight.outgoing.append(outgoing)
             flight.incoming.append(incoming)
@@ -366,14 +361,20 @@ class OuterOptimizer(torch.optim.Optimizer):
         partners = [r for r in group_of(groups, mesh.replica) if r != mesh.replica]
         return [mesh.rank_of(r, mesh.stage) for r in partners], groups
 
-    def _noloco_outgoing(self, b: int, theta: torch.Tensor) -> list[torch.Tensor]:
-        """What bucket ``b`` sends to each partner: the fast weights (and the slow weights when
-        gamma != beta), in the wire precision. Our own float32 copy ``theta`` stays exact; only the wire
-        copy is rounded."""
+    def _noloco_messages(self, b: int, theta: torch.Tensor, peers: list[int]):
+        """Bucket ``b``'s messages of this outer step: ``(outgoing, incoming, sends, recvs)``.
+
+        ``outgoing``: what goes to each partner, the fast weights (and the slow weights when gamma != beta)
+        in the wire precision; our own float32 copy ``theta`` stays exact, only the wire copy is rounded.
+        ``incoming``: one receive buffer per partner and message. Two messages to the same peer are matched
+        in the order listed: theta, then phi."""
         outgoing = [theta.to(self.outer_dtype)]
         if self.settings.sends_slow_weights:
             outgoing.append(self._phi_flat[b].to(device=theta.device, dtype=self.outer_dtype))
-        return outgoing
+        incoming = [[torch.empty_like(t) for t in outgoing] for _ in peers]
+        sends = [(t, peer) for peer in peers for t in outgoing]
+        recvs = [(t, peer) for peer, bufs in zip(peers, incoming) for t in bufs]
+        return outgoing, incoming, sends, recvs
 
     def _noloco_step(self) -> None:
         mesh = self.mesh
@@ -383,17 +384,10 @@ class OuterOptimizer(torch.optim.Optimizer):
         for b, bucket in enumerate(self._buckets):
             params = [self.params[i] for i in bucket]
             theta = flatten(params, torch.float32)
-            outgoing = self._noloco_outgoing(b, theta)
-            incoming = [[torch.empty_like(t) for t in outgoing] for _ in peers]
-            # Two messages to the same peer are matched in the order listed: theta, then phi.
+            outgoing, incoming, sends, recvs = self._noloco_messages(b, theta, peers)
             # Receives first: both directions of a pair then flow at once under gloo (see comm.post).
             pending = exchange(
-                [(t, peer) for peer in peers for t in outgoing],
-                [(t, peer) for peer, bufs in zip(peers, incoming) for t in bufs],
-                self.p2p_timeout,
-                mesh.describe_rank,
-                context,
-                receives_first=True,
+                sends, recvs, self.p2p_timeout, mesh.describe_rank, context, receives_first=True
             )
             wait_sends(pending, self.p2p_timeout, context)
             sq_dist += self._noloco_combine(b, theta, outgoing, incoming, peers, context)

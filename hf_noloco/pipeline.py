@@ -244,8 +244,7 @@ class PipelineEngine:
     def _post(self, post: Post, outgoing: dict, arrived: dict, micro: int, seq_len: int) -> list:
         """Posts one batch of the plan: the sends of the compute just done (from ``outgoing``) and the
         receives of the next one, which it waits for and assembles into ``arrived``. Returns the sends still
-        in flight,
-        with the tensors that must stay alive until they have left."""
+        in flight, with the tensors that must stay alive until they have left."""
         sends = []
         for msg in post.sends:
             tensors = outgoing[msg.phase, msg.microbatch]
@@ -258,12 +257,11 @@ class PipelineEngine:
             buffers = self._receive_buffers(msg.phase, len(msg.rows), seq_len)
             recvs += [(t, msg.src) for t in buffers]
             parts.append((msg, buffers))
-        phase, m = (post.recvs or post.sends)[0].phase, (post.recvs or post.sends)[0].microbatch
-        in_flight = exchange(sends, recvs, self.p2p_timeout, self.mesh.describe_rank, self._context(phase, m))
-        for msg in post.sends:
-            outgoing.pop(
-                (msg.phase, msg.microbatch), None
-            )  # the pending sends below keep what is still needed
+        first = (post.recvs or post.sends)[0]
+        context = self._context(first.phase, first.microbatch)
+        in_flight = exchange(sends, recvs, self.p2p_timeout, self.mesh.describe_rank, context)
+        for msg in post.sends:  # the pending sends returned below keep what is still needed
+            outgoing.pop((msg.phase, msg.microbatch), None)
         if parts:
             arrived[parts[0][0].phase, parts[0][0].microbatch] = self._assemble(parts, micro)
         return [(work, sends) for work in in_flight]
