@@ -93,6 +93,7 @@ def write_checkpoint(
     timeout: float,
     save_total_limit: int | None = None,
     best_model_checkpoint: str | None = None,
+    barrier: Callable[[], None] | None = None,
 ) -> str:
     """Writes ``run_dir/checkpoint-<step>`` atomically. Collective: every rank calls it.
 
@@ -106,30 +107,36 @@ def write_checkpoint(
         timeout: seconds rank 0 waits for the others (a monitored barrier names the ranks that did not
         arrive). save_total_limit: the Trainer's limit on kept checkpoints.
         best_model_checkpoint: the checkpoint of the best ``metric_for_best_model``, which the limit keeps.
+        barrier: how the ranks wait for each other (default: the live ranks' process group; the trainer's
+            store barrier under ``on_replica_loss="continue"``, which a lost rank interrupts).
 
     Returns:
         The completed checkpoint's folder.
     """
     name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
-    ranks = range(mesh.world_size)
+    ranks, group = mesh.live_ranks(), mesh.world_group  # every rank, unless replicas were lost
+    custom_barrier = barrier is not None
+    barrier = barrier or (lambda: dist.barrier(group=group))
     final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f"tmp-{name}")
-    if mesh.rank == 0:
+    if mesh.is_leader:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist.barrier()
+    barrier()
     own_files = list(write_rank_state(tmp) or [])
     write_rank_checksums(tmp, mesh, own_files)
     # Rank 0 renames the folder only when every rank has written its part. A monitored barrier (gloo) names
     # the ranks that did not get there; rank 0 then fails, and the others with it.
-    if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+    if custom_barrier:
+        barrier()
+    elif dist.get_backend() == "gloo":
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
     else:
-        dist.barrier()
-    if mesh.rank == 0:
+        dist.barrier(group=group)
+    if mesh.is_leader:
         write_shared_state(tmp)
         write_checksums(tmp, [rank_folder_of(tmp, r % mesh.num_stages, r // mesh.num_stages) for r in ranks])
-    dist.barrier()
-    if mesh.rank == 0:
+    barrier()
+    if mesh.is_leader:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         rotate_checkpoints(
@@ -138,7 +145,7 @@ def write_checkpoint(
             best_model_checkpoint=best_model_checkpoint,
             use_mtime=False,
         )
-    dist.barrier()
+    barrier()
     return final
 
 
@@ -174,6 +181,13 @@ def check_mesh_record(checkpoint: str, record: dict) -> None:
     with."""
     with open(os.path.join(checkpoint, MESH_FILE)) as f:
         saved = json.load(f)
+    if saved.get("live_replicas") is not None:
+        raise ValueError(
+            f"Cannot resume {checkpoint}: it was written after replicas were lost "
+            f"(on_replica_loss='continue'; "
+            f"live replicas {saved['live_replicas']} of {saved['num_replicas']}), and resuming such a "
+            "checkpoint is not supported yet. Resume from one written before the loss."
+        )
     for key in _MUST_MATCH:
         if saved.get(key) != json.loads(
             json.dumps(record.get(key))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import os
 import re
 import sys
@@ -33,6 +34,7 @@ from .config import (
     check_model_init_kwargs,
     model_config_values,
 )
+from .membership import ReplicaDropped
 
 MODEL_SOURCES = ("model_name_or_path", "model_config")
 
@@ -440,18 +442,26 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
     resume = config.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
         resume = True  # the newest checkpoint in output_dir
-    trainer.train(resume_from_checkpoint=resume)
-    metrics = trainer.evaluate()
-    if config.push_to_hub:
-        url = trainer.push_to_hub()
-    else:
-        trainer.save_model()
-        url = None
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+        metrics = trainer.evaluate()
+        if config.push_to_hub:
+            url = trainer.push_to_hub()
+        else:
+            trainer.save_model()
+            url = None
+    except ReplicaDropped as exc:  # on_replica_loss="continue": the others train on without this column
+        trainer.close_watchers()
+        logging.getLogger("hf_noloco").warning("%s; this process leaves the run.", exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no collective, no process-group teardown: the others no longer wait for this rank
     if trainer.is_world_process_zero():
-        print(
-            f"\nFinal eval perplexity {metrics['eval_perplexity']:.2f} after {trainer.state.global_step} "
-            "steps."
-        )
+        if "eval_perplexity" in metrics:  # an evaluation interrupted by a lost replica has none
+            print(
+                f"\nFinal eval perplexity {metrics['eval_perplexity']:.2f} after {trainer.state.global_step} "
+                "steps."
+            )
         what = {"model": "Model", "adapter": "LoRA adapter (PEFT)", "merged": "Model (LoRA adapters merged)"}
         print(f"{what[trainer.export_kind]}, tokenizer and model card: {os.path.abspath(config.output_dir)}")
         print(f"Training curves: {os.path.join(os.path.abspath(config.output_dir), 'training_curves.png')}")

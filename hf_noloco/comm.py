@@ -22,6 +22,25 @@ class PeerError(RuntimeError):
     """A peer did not answer within the deadline, or its connection broke."""
 
 
+class ViewChange(PeerError):
+    """A wait given up because the run's live replicas are changing (:mod:`hf_noloco.membership`)."""
+
+
+# Under on_replica_loss="continue" every wait also watches this event (set when a newer view of the live
+# replicas is proposed) and gives up when it is set: a peer that is itself recovering will never answer.
+_interrupt: threading.Event | None = None
+# Operations given up that way stay posted on their (old) process group: their Work objects, and the tensors
+# those hold, are kept alive here so that gloo never writes into freed memory.
+_abandoned: list = []
+
+
+def interrupt_waits_on(event: threading.Event | None) -> None:
+    """Makes every wait of this module give up with :class:`ViewChange` once ``event`` is set (``None``:
+    waits are plain again)."""
+    global _interrupt
+    _interrupt = event
+
+
 def strict_p2p() -> bool:
     """``HF_NOLOCO_STRICT_P2P=1``: wait for every posted batch, sends included, before posting the next.
 
@@ -50,11 +69,22 @@ def exchange(
     sends (see :func:`post`).
     """
     received, pending = post(sends, recvs, describe_peer, group, receives_first)
-    wait_sends(received, timeout, context)
-    if strict_p2p():
-        wait_sends(pending, timeout, context)
-        pending = []
+    try:
+        wait_sends(received, timeout, context)
+        if strict_p2p():
+            wait_sends(pending, timeout, context)
+            pending = []
+    except PeerError:
+        abandon(received + pending)
+        raise
     return pending
+
+
+def abandon(works: Sequence) -> None:
+    """Keeps operations that will never be waited for (and their tensors) alive, under
+    ``on_replica_loss="continue"``; items are ``(Work, ...)`` tuples."""
+    if _interrupt is not None:
+        _abandoned.extend(item[0] for item in works)
 
 
 def post(
@@ -108,13 +138,46 @@ def wait_sends(pending: Sequence[tuple[dist.Work, str]], timeout: float, context
 
 def _wait(work: dist.Work, timeout: float, action: str, context: str) -> None:
     try:
-        completed = work.wait(timeout=timedelta(seconds=timeout))
-    except RuntimeError as exc:  # gloo: timeout or a closed connection (the peer died); NCCL: watchdog abort
+        if _interrupt is not None:
+            completed = _interruptible_wait(work, timeout, _interrupt, action, context)
+        else:
+            completed = work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if isinstance(exc, ViewChange):
+            raise  # gloo: timeout or a closed connection (the peer died); NCCL: watchdog abort
         raise PeerError(
             f"{context}: failed {action} within p2p_timeout={timeout:g}s ({exc})".lstrip(": ")
         ) from exc
     if completed is False:
         raise PeerError(f"{context}: timed out {action} after p2p_timeout={timeout:g}s".lstrip(": "))
+
+
+def _interruptible_wait(
+    work: dist.Work, timeout: float, interrupt: threading.Event, action: str, context: str
+) -> bool:
+    """``work.wait(timeout)`` in a helper thread, given up when ``interrupt`` is set. gloo cannot be asked
+    again after a timed-out wait (it closes the connection) nor polled (``is_completed`` stays False until
+    waited for), so the wait itself runs aside and this thread watches both."""
+    if interrupt.is_set():
+        _abandoned.append(work)
+        raise ViewChange(f"{context}: gave up {action}: the live replicas are changing".lstrip(": "))
+    done, outcome = threading.Event(), []
+
+    def run():
+        try:
+            outcome.append(work.wait(timeout=timedelta(seconds=timeout)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            outcome.append(exc)
+        done.set()
+
+    threading.Thread(target=run, name="hf_noloco-wait", daemon=True).start()
+    while not done.wait(0.05):
+        if interrupt.is_set():
+            _abandoned.append(work)
+            raise ViewChange(f"{context}: gave up {action}: the live replicas are changing".lstrip(": "))
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def wait_collective(work: dist.Work, timeout: float, what: str) -> None:
@@ -126,6 +189,10 @@ def wait_collective(work: dist.Work, timeout: float, what: str) -> None:
 class PeerWatch:
     """Tells, after a communication failure, which peers are gone, and keeps the job's first failure.
 
+    ``own_connection``: talk to the store over a connection of its own. A store client runs one operation at a
+    time, and making a process group blocks it until every member has arrived, which would silence the
+    heartbeat meanwhile (``on_replica_loss="continue"`` then mistakes a rank making a group for a lost one).
+
     A gloo/NCCL collective that fails says only that "a connection closed" or "timed out", not which rank was
     lost. So each rank stamps a counter in the rendezvous store every ``interval`` seconds from a daemon
     thread (the store is hosted by the launcher's agent under torchrun/accelerate, so it outlives any worker).
@@ -136,7 +203,7 @@ class PeerWatch:
     store (e.g. it lived in a rank that died) the errors are the plain ones.
     """
 
-    def __init__(self, rank: int, world_size: int, interval: float = 0.5):
+    def __init__(self, rank: int, world_size: int, interval: float = 0.5, own_connection: bool = False):
         self.rank, self.world_size, self.interval = rank, world_size, interval
         self._prefix = "hf_noloco/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._stop = threading.Event()
@@ -144,6 +211,8 @@ class PeerWatch:
             from torch.distributed.distributed_c10d import _get_default_store
 
             self.store = _get_default_store()
+            if own_connection:
+                self.store = _second_connection(self.store)
         except Exception:  # noqa: BLE001 - no store (e.g. a custom init): no diagnosis, plain errors
             self.store = None
             return
@@ -226,6 +295,15 @@ class PeerWatch:
             and after[r] == before[r]
             and not self.store.check([f"{self._prefix}/failing/{r}"])
         ]
+
+
+def _second_connection(store: dist.Store) -> dist.Store:
+    """A new client connection to the TCPStore behind ``store`` (keys without the process group's prefix),
+    or ``store`` itself when it is not a TCPStore."""
+    base = store._underlying_non_prefix_store if isinstance(store, dist.PrefixStore) else store
+    if not isinstance(base, dist.TCPStore):
+        return store
+    return dist.TCPStore(base.host, base.port, is_master=False, timeout=base.timeout)
 
 
 def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -39,6 +39,7 @@ StageBalance = Literal["layers", "compute"]
 OuterMethod = Literal["noloco", "diloco", "ddp", "local"]
 OuterDtype = Literal["float32", "bfloat16"]
 NonfiniteAction = Literal["error", "skip"]
+ReplicaLossAction = Literal["stop", "continue"]
 
 ROUTINGS: tuple[str, ...] = get_args(Routing)
 ROUTING_DOMAINS: tuple[str, ...] = get_args(RoutingDomain)
@@ -47,6 +48,7 @@ STAGE_BALANCES: tuple[str, ...] = get_args(StageBalance)
 OUTER_METHODS: tuple[str, ...] = get_args(OuterMethod)
 OUTER_DTYPES: tuple[str, ...] = get_args(OuterDtype)
 NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonfiniteAction)
+REPLICA_LOSS_ACTIONS: tuple[str, ...] = get_args(ReplicaLossAction)
 
 # The weights' dtype (TRL's `dtype`): no float16 without loss scaling; "auto" is the checkpoint's own.
 WeightDtype = Literal["float32", "bfloat16", "auto"]
@@ -477,6 +479,16 @@ class NoLoCoConfig(TrainingArguments):
             the step, stage and replica (checkpoints already written stay intact; resume from the last one),
             `"skip"` drops that step's gradients, so the optimizer leaves the weights and its state untouched,
             logs a warning and goes on. Every stage of the affected replica column takes the same decision.
+        on_replica_loss (`str`, *optional*, defaults to `"stop"`):
+            What a lost rank (killed, or silent for longer than `p2p_timeout`) does to the run: `"stop"`
+            ends every process with an error naming it (resume from the newest intact checkpoint, by hand or
+            with a launcher's `--max-restarts`); `"continue"` drops the lost rank's whole replica column and
+            trains on with the others (NoLoCo and `local` only, on gloo, with one launch per replica column
+            from `python -m hf_noloco.column_launch`, whose store outlives every worker; see
+            `hf_noloco/membership.py`). The step during which the loss happened is skipped by the survivors
+            that had not finished it; the lost column's data shard is skipped for the rest of the run;
+            routing pairs and gossip groups are drawn among the live replicas; checkpoints, metrics and the
+            export cover the live replicas. A checkpoint written after a loss cannot be resumed yet.
 
         > Routing
 
@@ -590,6 +602,7 @@ class NoLoCoConfig(TrainingArguments):
     pipeline_schedule: PipelineSchedule = "1f1b"
     p2p_timeout: float = 300.0
     nonfinite: NonfiniteAction = "error"
+    on_replica_loss: ReplicaLossAction = "stop"
     routing: Routing = "sample"
     routing_seed: int | None = None
     routing_domain: RoutingDomain = "global"
@@ -683,6 +696,7 @@ def check_config(c) -> None:
     check_choice("pipeline_schedule", c.pipeline_schedule, PIPELINE_SCHEDULES)
     check_choice("stage_balance", c.stage_balance, STAGE_BALANCES)
     check_choice("nonfinite", c.nonfinite, NONFINITE_ACTIONS)
+    check_replica_loss(c)
     if not c.p2p_timeout > 0:
         raise ValueError(f"p2p_timeout must be a positive number of seconds, got {c.p2p_timeout!r}.")
     if c.microbatch_size is not None:
@@ -743,6 +757,42 @@ def check_config(c) -> None:
     settings.check_replicas(num_replicas)
     routing_group_size(c.routing_domain, c.routing_group_size, num_replicas, c.pipeline_stages)
     check_export_replica(c.export_replica, num_replicas)
+
+
+def check_replica_loss(c) -> None:
+    """``on_replica_loss="continue"`` needs an algorithm whose training path has no collective over the
+    replicas, a backend whose groups survive a lost member, and a store that outlives every worker."""
+    action = getattr(c, "on_replica_loss", "stop")
+    check_choice("on_replica_loss", action, REPLICA_LOSS_ACTIONS)
+    if action != "continue":
+        return
+    if c.outer_optimizer not in ("noloco", "local"):
+        raise ValueError(
+            f"on_replica_loss='continue' needs outer_optimizer 'noloco' or 'local': {c.outer_optimizer!r} "
+            "all-reduces over every replica, which a lost replica blocks."
+        )
+    if c.outer_overlap_steps:
+        raise ValueError("on_replica_loss='continue' does not support outer_overlap_steps > 0 yet.")
+    if c.routing_domain != "global":
+        raise ValueError(
+            "on_replica_loss='continue' needs routing_domain='global': node groups would no longer divide "
+            "the "
+            "live replicas."
+        )
+    if not c.use_cpu or (c.ddp_backend not in (None, "gloo")):
+        raise ValueError(
+            "on_replica_loss='continue' runs on gloo (CPU) only: an NCCL communicator with a lost member "
+            "aborts, and survivors cannot keep it."
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "TORCHELASTIC_RUN_ID" not in os.environ
+    ):
+        raise ValueError(
+            "on_replica_loss='continue' needs one launch per replica column around a store that outlives "
+            "every worker: start `python -m hf_noloco.column_launch --column R ...` once per column "
+            "(recipes/README.md shows the lines). Under torchrun or accelerate launch the agent stops every "
+            "worker when one is lost, and without an agent rank 0 hosts the store."
+        )
 
 
 # TrainingArguments fields NoLoCoTrainer does not honour, with the values that are honoured (their defaults)

@@ -67,11 +67,15 @@ def consensus_state_dict(stage: nn.Module, mesh, replica: int | None = None) -> 
         out: the stage that holds the first one exports it.
     """
     check_export_replica(replica, mesh.num_replicas)
+    if replica is not None and replica not in mesh.live_replicas:
+        raise ValueError(
+            f"export_replica={replica} was lost during the run; live replicas: {mesh.live_replicas}."
+        )
     device = _comm_device(mesh)
     mirrored = getattr(stage, "mirrored_names", set())
     own = {name: t.detach() for name, t in stage.state_dict().items() if name not in mirrored}
     state = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in own.items()}  # filled below, on the CPU
-    if mesh.num_replicas == 1:
+    if mesh.num_live_replicas == 1:
         for name, tensor in own.items():
             state[name].copy_(tensor)
         return state
@@ -92,9 +96,12 @@ def consensus_state_dict(stage: nn.Module, mesh, replica: int | None = None) -> 
         # rounding the partial sums.
         flat = flatten([own[name] for name in bucket], torch.float32).to(device)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        unflatten_into([state[name] for name in bucket], flat.div_(mesh.num_replicas))
-    # Integer buffers (counters, ids) have no mean: every replica takes replica 0's copy, so all agree.
-    take_from(mesh.rank_of(0, mesh.stage), [name for name, t in own.items() if not t.is_floating_point()])
+        unflatten_into([state[name] for name in bucket], flat.div_(mesh.num_live_replicas))
+    # Integer buffers (counters, ids) have no mean: every replica takes the first live one's copy.
+    take_from(
+        mesh.rank_of(mesh.live_replicas[0], mesh.stage),
+        [name for name, t in own.items() if not t.is_floating_point()],
+    )
     return state
 
 
@@ -105,9 +112,10 @@ def _buckets(names: Sequence[str], state: Mapping[str, torch.Tensor]) -> list[li
 
 @torch.no_grad()
 def gather_full_state_dict(
-    stage_state_dict: Mapping[str, torch.Tensor] | None, mesh, dst: int = 0
+    stage_state_dict: Mapping[str, torch.Tensor] | None, mesh, dst: int | None = None
 ) -> dict[str, torch.Tensor] | None:
-    """Merges the stages of replica column 0 into the full model's state dict on global rank ``dst``.
+    """Merges the stages of the first live replica column (column 0 unless it was lost) into the full model's
+    state dict on global rank ``dst``.
 
     Collective over the whole world: every rank calls it, but only the ranks of column 0
     (``mesh.rank_of(0, s)``) and ``dst`` take part; the others return ``None`` at once. Each sender first
@@ -118,23 +126,25 @@ def gather_full_state_dict(
         stage_state_dict: this rank's stage tensors (e.g. from :func:`consensus_state_dict`); ignored outside
             column 0.
         mesh: the :class:`~hf_noloco.mesh.PipelineMesh`.
-        dst: global rank that receives; by default ``mesh.rank_of(0, 0) == 0``.
+        dst: global rank that receives; by default ``mesh.leader`` (rank 0 while no replica was lost).
 
     Returns:
         On ``dst``: ``{name: CPU tensor}`` for the whole model. Elsewhere: ``None``.
     """
+    dst = mesh.leader if dst is None else dst
     if not 0 <= dst < mesh.world_size:
         raise ValueError(f"dst must be a global rank in [0, {mesh.world_size}), got {dst}.")
-    senders = [mesh.rank_of(0, s) for s in range(mesh.num_stages)]
+    senders = [mesh.rank_of(mesh.live_replicas[0], s) for s in range(mesh.num_stages)]
+    group = mesh.world_group
     rank = mesh.rank
     device = _comm_device(mesh)
     if rank != dst:
         if rank not in senders:
             return None
         meta = [(name, tuple(t.shape), t.dtype) for name, t in stage_state_dict.items()]
-        dist.send_object_list([meta], dst=dst, device=device)
+        dist.send_object_list([meta], dst=dst, group=group, device=device)
         for tensor in stage_state_dict.values():  # one tensor at a time on the communication device
-            dist.send(tensor.detach().to(device).contiguous(), dst=dst)
+            dist.send(tensor.detach().to(device).contiguous(), dst=dst, group=group)
         return None
 
     merged: dict[str, torch.Tensor] = {}
@@ -144,10 +154,10 @@ def gather_full_state_dict(
                 merged[name] = tensor.detach().to("cpu", copy=True)
             continue
         box: list[Any] = [None]
-        dist.recv_object_list(box, src=src, device=device)
+        dist.recv_object_list(box, src=src, group=group, device=device)
         for name, shape, dtype in box[0]:
             tensor = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(tensor, src=src)
+            dist.recv(tensor, src=src, group=group)
             merged[name] = tensor.cpu()
     return merged
 
@@ -201,7 +211,7 @@ def save_consensus_checkpoint(
     tokenizer=None,
     generation_config=None,
     replica: int | None = None,
-    dst: int = 0,
+    dst: int | None = None,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
 ) -> str | None:
@@ -219,7 +229,7 @@ def save_consensus_checkpoint(
         generation_config: a ``GenerationConfig`` to save (e.g. the base model's, with its list of end-of-text
             ids); default: the one derived from ``config``.
         replica: ``None`` for the replica mean, or the index of the replica to export as is.
-        dst: global rank that assembles and writes the checkpoint.
+        dst: global rank that assembles and writes the checkpoint (default: ``mesh.leader``).
         dtype: the dtype of the saved floating-point weights; default: the stages' own (the training dtype).
         trust_remote_code: the model class is the checkpoint's own code (saved beside the weights).
 
@@ -228,8 +238,9 @@ def save_consensus_checkpoint(
         the files from other ranks should wait (e.g. ``accelerator.wait_for_everyone()``).
     """
     consensus = consensus_state_dict(stage, mesh, replica=replica)
-    in_column_zero = mesh.replica == 0
-    full = gather_full_state_dict(consensus if in_column_zero else None, mesh, dst=dst)
+    dst = mesh.leader if dst is None else dst
+    in_first_column = mesh.replica == mesh.live_replicas[0]
+    full = gather_full_state_dict(consensus if in_first_column else None, mesh, dst=dst)
     del consensus
     if mesh.rank != dst:
         return None
@@ -245,5 +256,7 @@ def save_consensus_checkpoint(
     if tokenizer is not None:
         tokenizer.save_pretrained(output_dir)
     what = "replica mean" if replica is None else f"replica {replica}"
-    logger.info("Saved the consensus model (%s of %d replicas) to %s", what, mesh.num_replicas, output_dir)
+    logger.info(
+        "Saved the consensus model (%s of %d replicas) to %s", what, mesh.num_live_replicas, output_dir
+    )
     return output_dir

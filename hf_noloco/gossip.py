@@ -44,6 +44,17 @@ def gossip_groups(num_replicas: int, group_size: int, seed: int, outer_step: int
     return [sorted(g) for g in groups]
 
 
+def live_gossip_groups(live: list[int], group_size: int, seed: int, outer_step: int) -> list[list[int]]:
+    """:func:`gossip_groups` among the ``live`` replicas only (``on_replica_loss="continue"`` dropped the
+    others): drawn over their positions, then named by replica. All live: exactly ``gossip_groups``. A single
+    live replica forms a group of its own (no partner); fewer than ``group_size`` form one group."""
+    live = sorted(live)
+    if len(live) < 2:
+        return [live]
+    groups = gossip_groups(len(live), min(group_size, len(live)), seed, outer_step)
+    return [sorted(live[position] for position in group) for group in groups]
+
+
 def group_of(groups: list[list[int]], replica: int) -> list[int]:
     """The group that contains ``replica``."""
     for group in groups:

@@ -36,6 +36,10 @@ class PipelineMesh:
         column_group: the ``num_stages`` processes of this replica (loss broadcast, export).
         A second group over this stage's replicas, for overlapped outer syncs, is made on first use
         (:meth:`background_replica_group`).
+        live_replicas: the replica columns still in the run (all of them unless ``on_replica_loss="continue"``
+            dropped some, :meth:`regroup`).
+        world_group: the group of every live rank, for point-to-point messages and run-wide collectives
+            (``None``: the default group, while no replica was lost).
     """
 
     rank: int
@@ -46,8 +50,14 @@ class PipelineMesh:
     column_group: dist.ProcessGroup | None
     device: torch.device
     group_timeout: timedelta | None = None  # of every group this mesh makes (None: torch's default)
+    live_replicas: list[int] = field(default_factory=list)
+    world_group: dist.ProcessGroup | None = None
     _background_group: dist.ProcessGroup | None = field(default=None, repr=False)
     _has_background_group: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        if not self.live_replicas:
+            self.live_replicas = list(range(self.num_replicas))
 
     @classmethod
     def build(
@@ -93,6 +103,35 @@ class PipelineMesh:
                     self._background_group = group
             self._has_background_group = True
         return self._background_group
+
+    def regroup(self, live_replicas: list[int]) -> None:
+        """New groups over the live replicas once others were lost: the run-wide group, this stage's replica
+        group and this column's group, each made by its members only (``use_local_synchronization``: a lost
+        rank takes no part) and fresh, so that nothing left half-done on an old group can match a new
+        message. Every live rank calls it with the same list."""
+        self.live_replicas = sorted(live_replicas)
+        make = lambda ranks: dist.new_group(ranks, timeout=self.group_timeout, use_local_synchronization=True)
+        self.world_group = make(self.live_ranks())
+        self.replica_group = make([self.rank_of(r, self.stage) for r in self.live_replicas])
+        self.column_group = make(self.column_ranks())
+
+    @property
+    def num_live_replicas(self) -> int:
+        return len(self.live_replicas)
+
+    def live_ranks(self) -> list[int]:
+        """Global ranks of every live replica column, in rank order."""
+        return [self.rank_of(r, s) for r in self.live_replicas for s in range(self.num_stages)]
+
+    @property
+    def leader(self) -> int:
+        """The rank that writes what the run writes once (checkpoint records, the export): the first stage of
+        the first live replica (rank 0 while no replica was lost)."""
+        return self.rank_of(self.live_replicas[0], 0)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
 
     @property
     def stage(self) -> int:

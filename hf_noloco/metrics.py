@@ -60,7 +60,7 @@ def replica_divergence(module: torch.nn.Module, mesh: PipelineMesh) -> dict[str,
     weights over its replicas (so call it at logging intervals) and two tiny ones.
     """
     params = _unique_parameters(module)
-    num_replicas, num_stages = mesh.num_replicas, mesh.num_stages
+    num_replicas, num_stages = mesh.num_live_replicas, mesh.num_stages  # the replicas still in the run
     device = params[0].device if params else mesh.device
     sq_sum = torch.zeros((), dtype=torch.float64, device=device)
     numel = sum(p.numel() for p in params)

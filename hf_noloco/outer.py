@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hf_noloco.comm import (
+    PeerError,
     PendingExchange,
     consecutive_buckets,
     exchange,
@@ -36,7 +37,13 @@ from hf_noloco.comm import (
     wait_sends,
 )
 from hf_noloco.config import OuterSettings
-from hf_noloco.gossip import diloco_update_, divergence_from_partners, gossip_groups, group_of, noloco_update_
+from hf_noloco.gossip import (
+    diloco_update_,
+    divergence_from_partners,
+    group_of,
+    live_gossip_groups,
+    noloco_update_,
+)
 from hf_noloco.mesh import PipelineMesh
 
 
@@ -146,6 +153,13 @@ class OuterOptimizer(torch.optim.Optimizer):
         self.last_groups: list[list[int]] | None = None
         self.just_synced = False
         self._in_flight: _InFlight | None = None
+        # on_replica_loss="continue" (set by the trainer): whether this replica may exchange now (not
+        # while the live replicas are changing), and what to do when a partner is lost mid-exchange (then
+        # the buckets not yet averaged keep this replica's weights for this outer step: no averaging, its
+        # progress carried to the next one). None: a lost partner is an error.
+        self.exchange_allowed = lambda: True
+        self.on_lost_partner = None
+        self.skipped_outer_steps = 0
         self._background_group = background_group
         if settings.overlap_steps and background_group is None and mesh.num_replicas > 1:
             self._background_group = mesh.background_replica_group()
@@ -357,7 +371,9 @@ class OuterOptimizer(torch.optim.Optimizer):
     def _noloco_peers(self) -> tuple[list[int], list[list[int]]]:
         """This outer step's partners (global ranks) and the gossip groups they come from."""
         mesh, settings = self.mesh, self.settings
-        groups = gossip_groups(mesh.num_replicas, settings.group_size, settings.seed, self.outer_step_count)
+        groups = live_gossip_groups(
+            mesh.live_replicas, settings.group_size, settings.seed, self.outer_step_count
+        )
         partners = [r for r in group_of(groups, mesh.replica) if r != mesh.replica]
         return [mesh.rank_of(r, mesh.stage) for r in partners], groups
 
@@ -382,14 +398,30 @@ class OuterOptimizer(torch.optim.Optimizer):
         context = f"NoLoCo outer step {self.outer_step_count} of {mesh.describe()}"
         sq_dist = 0.0
         for b, bucket in enumerate(self._buckets):
+            if not self.exchange_allowed():
+                self.skipped_outer_steps += 1
+                return
             params = [self.params[i] for i in bucket]
             theta = flatten(params, torch.float32)
             outgoing, incoming, sends, recvs = self._noloco_messages(b, theta, peers)
-            # Receives first: both directions of a pair then flow at once under gloo (see comm.post).
-            pending = exchange(
-                sends, recvs, self.p2p_timeout, mesh.describe_rank, context, receives_first=True
-            )
-            wait_sends(pending, self.p2p_timeout, context)
+            try:
+                # Receives first: both directions of a pair then flow at once under gloo (see comm.post).
+                pending = exchange(
+                    sends,
+                    recvs,
+                    self.p2p_timeout,
+                    mesh.describe_rank,
+                    context,
+                    group=mesh.world_group,
+                    receives_first=True,
+                )
+                wait_sends(pending, self.p2p_timeout, context)
+            except PeerError as exc:
+                if self.on_lost_partner is None:
+                    raise
+                self.on_lost_partner(exc)
+                self.skipped_outer_steps += 1
+                return
             sq_dist += self._noloco_combine(b, theta, outgoing, incoming, peers, context)
             unflatten_into(params, self._phi_flat[b].to(theta.device))  # theta <- phi
         self.last_groups = groups

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm import exchange, wait_sends
+from .comm import abandon, exchange, wait_collective, wait_sends
 from .config import PIPELINE_SCHEDULES, check_choice, check_microbatch_size, check_positive_int
 from .mesh import PipelineMesh
 from .partition import PipelineStage, next_token_losses, target_token_count
@@ -124,11 +124,9 @@ class PipelineEngine:
         if self.stage.is_last:
             totals[0], totals[1] = result.loss.double(), result.target_tokens
         if self.mesh.num_stages > 1:
-            torch.distributed.broadcast(
-                totals,
-                self.mesh.rank_of(self.mesh.replica, self.mesh.num_stages - 1),
-                group=self.mesh.column_group,
-            )
+            last = self.mesh.rank_of(self.mesh.replica, self.mesh.num_stages - 1)
+            work = torch.distributed.broadcast(totals, last, group=self.mesh.column_group, async_op=True)
+            wait_collective(work, self.p2p_timeout, self._context("the evaluation loss broadcast", None))
         return totals[0].item(), int(totals[1].item())
 
     def state_dict(self) -> dict[str, int]:
@@ -196,16 +194,20 @@ class PipelineEngine:
         links = routed_links(
             router, mesh.num_stages, mesh.stage, mesh.replica, self.step_index, self.samples_seen, micro
         )
-        for item in step_plan(order, mesh.rank, stage.is_first, stage.is_last, links):
-            if isinstance(item, Post):
-                pending += self._post(item, outgoing, arrived, micro, seq_len)
-            elif item.phase == FORWARD:
-                forward(item.microbatch)
-            else:
-                backward(item.microbatch)
-        wait_sends(
-            [work for work, _ in pending], self.p2p_timeout, self._context("the step's last sends", None)
-        )
+        try:
+            for item in step_plan(order, mesh.rank, stage.is_first, stage.is_last, links):
+                if isinstance(item, Post):
+                    pending += self._post(item, outgoing, arrived, micro, seq_len)
+                elif item.phase == FORWARD:
+                    forward(item.microbatch)
+                else:
+                    backward(item.microbatch)
+            wait_sends(
+                [work for work, _ in pending], self.p2p_timeout, self._context("the step's last sends", None)
+            )
+        except Exception:
+            abandon(pending)  # under on_replica_loss="continue", sends never waited for stay alive
+            raise
         return StepResult(loss, target_tokens, sample_ids)
 
     def _check_batch(self, batch: dict[str, torch.Tensor], micro: int) -> tuple[int, int]:
@@ -259,7 +261,9 @@ class PipelineEngine:
             parts.append((msg, buffers))
         first = (post.recvs or post.sends)[0]
         context = self._context(first.phase, first.microbatch)
-        in_flight = exchange(sends, recvs, self.p2p_timeout, self.mesh.describe_rank, context)
+        in_flight = exchange(
+            sends, recvs, self.p2p_timeout, self.mesh.describe_rank, context, group=self.mesh.world_group
+        )
         for msg in post.sends:  # the pending sends returned below keep what is still needed
             outgoing.pop((msg.phase, msg.microbatch), None)
         if parts:

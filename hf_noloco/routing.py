@@ -12,6 +12,10 @@ consecutive groups of ``group_size`` (the replicas whose columns share a node, s
 per group, each drawn from ``(seed, boundary, key, group)``. A sample then never leaves its node, and every
 rank still derives the same permutation without messages.
 
+With ``live`` (replicas dropped by ``on_replica_loss="continue"``) the permutation is drawn over the live
+replicas only, by their order, and maps each of them to a live one; while every replica is live it is the
+same permutation as without.
+
 Rows keep their position within a microbatch at every stage; only the replica that computes them changes.
 The hash and shuffle are written out in plain integer arithmetic so that every platform and every torch
 version draws the same permutations.
@@ -69,10 +73,17 @@ class Router:
         group_size: replicas per routing group (consecutive replica indices; must divide ``num_replicas``).
             ``None`` or ``num_replicas``: one group, any replica may receive any sample (``routing_domain:
             global``); smaller: a sample stays within its group (``node``); 1 is the identity.
+        live: the replicas still in the run (``None``: all); samples are routed among these only, which needs
+            one routing group.
     """
 
     def __init__(
-        self, num_replicas: int, granularity: str = "sample", seed: int = 0, group_size: int | None = None
+        self,
+        num_replicas: int,
+        granularity: str = "sample",
+        seed: int = 0,
+        group_size: int | None = None,
+        live: list[int] | None = None,
     ):
         check_choice("routing", granularity, ROUTINGS)
         if num_replicas < 1:
@@ -84,6 +95,14 @@ class Router:
             raise ValueError(
                 f"routing group_size={group_size} does not divide the {num_replicas} replicas per stage."
             )
+        live = list(range(num_replicas)) if live is None else sorted(live)
+        if live != list(range(num_replicas)) and group_size != num_replicas:
+            raise ValueError(
+                "Routing among the live replicas needs one routing group (routing_domain='global')."
+            )
+        if not live or not set(live) <= set(range(num_replicas)):
+            raise ValueError(f"live replicas {live} are not a non-empty subset of range({num_replicas}).")
+        self.live = live
         self.num_replicas = num_replicas
         self.granularity = granularity
         self.seed = seed
@@ -101,7 +120,14 @@ class Router:
         if self.granularity == "fixed" or self.group_size == 1:
             return self._identity
         key = sample if self.granularity == "sample" else step
-        return grouped_permutation(self.num_replicas, self.group_size, self.seed, boundary, key)
+        if len(self.live) == self.num_replicas:
+            return grouped_permutation(self.num_replicas, self.group_size, self.seed, boundary, key)
+        # Drawn over positions in the live list; the lost replicas map to themselves (no one sends to them).
+        drawn = seeded_permutation(len(self.live), self.seed, boundary, key)
+        perm = list(range(self.num_replicas))
+        for position, replica in enumerate(self.live):
+            perm[replica] = self.live[drawn[position]]
+        return perm
 
     def destinations(self, boundary: int, step: int, samples: range | list[int], replica: int) -> list[int]:
         """For each sample, the replica of stage ``boundary + 1`` that ``replica`` sends it to."""

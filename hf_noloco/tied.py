@@ -57,7 +57,12 @@ class TiedEmbeddings:
         theirs = torch.empty_like(mine)
         context = f"{self.mesh.describe()}: {what} with the other end of the tied embeddings"
         pending = exchange(
-            [(mine, self.peer)], [(theirs, self.peer)], self.p2p_timeout, self.mesh.describe_rank, context
+            [(mine, self.peer)],
+            [(theirs, self.peer)],
+            self.p2p_timeout,
+            self.mesh.describe_rank,
+            context,
+            group=self.mesh.world_group,
         )
         wait_sends(pending, self.p2p_timeout, context)
         return theirs

@@ -49,6 +49,7 @@ from .comm import PeerError, PeerWatch, group_timeout, wait_collective
 from .config import DataArguments, NoLoCoConfig
 from .export import gather_full_state_dict, save_consensus_checkpoint
 from .hub import check_hub_settings, push_folder_to_hub
+from .membership import Membership, ReplicaDropped
 from .mesh import PipelineMesh
 from .metrics import perplexity, replica_divergence, squared_norm
 from .outer import OuterOptimizer, broadcast_replica_weights
@@ -196,9 +197,22 @@ class NoLoCoTrainer(Trainer):
         self._last_divergence_step = 0
         self._last_log = (0, time.monotonic())
         self._grad_norm: torch.Tensor | None = None  # this step's column gradient norm (set by training_step)
+        self._skipped_since_log = 0  # steps skipped since the last log (on_replica_loss="continue")
         # Set-up is over: from here on no rank should wait for another longer than p2p_timeout.
         self._set_collective_timeout(args.p2p_timeout)
-        self.watch = PeerWatch(self.mesh.rank, self.mesh.world_size)
+        continuing = args.on_replica_loss == "continue"
+        self.watch = PeerWatch(self.mesh.rank, self.mesh.world_size, own_connection=continuing)
+        # on_replica_loss="continue": the live replica columns, agreed through the store (membership.py)
+        self.live: Membership | None = None
+        if continuing:
+            self.live = Membership(
+                self.watch,
+                self.mesh.rank,
+                self.mesh.num_stages,
+                self.mesh.num_replicas,
+                silence=args.p2p_timeout,
+                on_change=self._on_live_replicas_changed,
+            )
         self.add_callback(_RunConfigCallback(self))
         # Accelerate's prepared optimizer would round-trip the whole state dict through the accelerator at
         # prepare time, slow weights and momentum included, which defeats offload_outer_state: each part of
@@ -285,6 +299,9 @@ class NoLoCoTrainer(Trainer):
                 tied_mirror=self.tied.is_mirror,
             )
             self.optimizer = self.outer
+            if self.live is not None:  # a lost gossip partner means no averaging this outer step
+                self.outer.exchange_allowed = lambda: not self.live.offline
+                self.outer.on_lost_partner = lambda exc: self.live.failed(exc, self.state.global_step + 1)
             if self.outer.settings.has_outer_step:
                 element = torch.finfo(getattr(torch, self.outer.settings.dtype)).bits // 8
                 logger.info(
@@ -404,6 +421,9 @@ class NoLoCoTrainer(Trainer):
             if self.outer is not None:  # an overlapped outer step still in flight: apply it now
                 self.outer.finish_outer_step()
             return result
+        except ReplicaDropped:
+            self.close_watchers()
+            raise
         except Exception as exc:  # re-raised, with the job's first failure added
             error = self._with_root_cause(exc)
             self.watch.close()  # the diagnosis is done: no more heartbeats, and a clean exit
@@ -435,11 +455,48 @@ class NoLoCoTrainer(Trainer):
         return PeerError(f"{mine}\nThe first failure in this job was on {first}")
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.live is None:
+            return self._training_step(inputs)
+        # on_replica_loss="continue": every step starts together (a pending change of the live replicas takes
+        # effect here); a lost peer during the step skips it on this rank (membership.py).
+        self.live.fence()
+        counters = (self.engine.step_index, self.engine.samples_seen)
+        try:
+            return self._training_step(inputs)
+        except PeerError as exc:
+            return self._skip_interrupted_step(exc, counters, inputs)
+
+    def _skip_interrupted_step(self, exc: PeerError, counters: tuple[int, int], inputs) -> torch.Tensor:
+        """The rest of a step whose communication failed under ``on_replica_loss="continue"``: its gradients
+        are dropped (the optimizer then leaves the weights and its state untouched, as ``nonfinite="skip"``
+        does), the routing counters advance as if it had run, and the logged loss leaves the step out."""
+        step = self.state.global_step + 1
+        self.live.failed(exc, step)
+        self.engine.step_index = counters[0] + 1
+        self.engine.samples_seen = counters[1] + inputs["input_ids"].shape[0]
+        for p in self.model.parameters():
+            p.grad = None
+        self._grad_norm = torch.zeros((), device=self.args.device)
+        self._skipped_since_log += 1
+        if self.mesh.is_first_stage:
+            logger.warning("%s: step %d skipped: the live replicas are changing.", self.mesh.describe(), step)
+        return torch.zeros((), device=self.args.device)
+
+    def _on_live_replicas_changed(self, live: list[int]) -> None:
+        """A new view of the live replicas takes effect (on every live rank, at a fence): new process groups
+        among them, and routing drawn over them (gossip draws over ``mesh.live_replicas`` by itself)."""
+        self.mesh.regroup(live)
+        args = self.args
+        self.engine.router = Router(
+            self.mesh.num_replicas, args.routing, args.routing_seed, live=self.mesh.live_replicas
+        )
+        self._set_collective_timeout(args.p2p_timeout)
+
+    def _training_step(self, inputs) -> torch.Tensor:
         self.model.train()
         result = self.engine.train_step(inputs)
         self.outer.reduce_gradients()  # ddp: first, so the tied sum below adds replica-averaged gradients
         self.tied.sum_gradients()
-        self.tokens_seen += inputs["input_ids"].numel() * self.mesh.num_replicas
         steps = self.args.torch_empty_cache_steps
         if steps is not None and (self.state.global_step + 1) % steps == 0:
             clear_device_cache()
@@ -465,6 +522,7 @@ class NoLoCoTrainer(Trainer):
                 f"({self.mesh.describe_ranks(self.mesh.column_ranks())})",
             )
         self._grad_norm = stats[1:].sum().sqrt()
+        self.tokens_seen += inputs["input_ids"].numel() * self.mesh.num_live_replicas
         if not bool(torch.isfinite(stats).all()):
             self._on_nonfinite(stats)
         return stats[0]
@@ -538,16 +596,12 @@ class NoLoCoTrainer(Trainer):
                 dtype=torch.float64,
                 device=self.args.device,
             )
-            work = dist.all_reduce(stats, async_op=True)
-            wait_collective(
-                work,
-                self.args.p2p_timeout,
-                f"{self.mesh.describe()}, step {step}: all-reduce of "
-                f"the logging statistics over all {self.mesh.world_size} ranks",
+            ranks = self._live_sum(
+                stats, f"{self.mesh.describe()}, step {step}: all-reduce of the logging statistics"
             )
             if stats[1] > 0:
                 logs["replica_divergence_estimate"] = (stats[0] / stats[1]).item()
-            logs["outer_bytes_sent_per_rank"] = (stats[2] / self.mesh.world_size).item()
+            logs["outer_bytes_sent_per_rank"] = (stats[2] / ranks).item()
             last_tokens, last_time = self._last_log
             now = time.monotonic()
             logs["tokens_seen"] = self.tokens_seen
@@ -559,6 +613,61 @@ class NoLoCoTrainer(Trainer):
             self.state.epoch = self.state.global_step / self.state.max_steps
         super().log(logs, start_time)
 
+    def _live_sum(self, tensor: torch.Tensor, what: str) -> int:
+        """Sums ``tensor`` in place over every live rank; returns how many ranks it summed over. Under
+        ``on_replica_loss="continue"``, while the live replicas are changing (or if a rank is lost during this
+        very collective), the sum is this rank's own value alone."""
+        ranks = len(self.mesh.live_ranks())
+        if self.live is not None and self.live.offline:
+            return 1
+        try:
+            work = dist.all_reduce(tensor, group=self.mesh.world_group, async_op=True)
+            wait_collective(work, self.args.p2p_timeout, f"{what} over the {ranks} live ranks")
+        except PeerError as exc:
+            if self.live is None:
+                raise
+            self.live.failed(exc, self.state.global_step)
+            return 1
+        return ranks
+
+    def _maybe_log_save_evaluate(
+        self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
+    ):
+        # The Trainer averages the logged loss with an all_gather over the default group, which holds the lost
+        # ranks once on_replica_loss="continue" dropped some: the same average here, over the live ranks.
+        # Steps a rank skipped (a replica lost meanwhile) added 0 to its loss and are left out of the mean.
+        window = self.state.global_step - self._globalstep_last_logged
+        if self.live is not None and self.control.should_log and window > 0:
+            stats = torch.tensor(
+                [tr_loss.item(), window - self._skipped_since_log],
+                dtype=torch.float64,
+                device=self.args.device,
+            )
+            self._live_sum(stats, f"{self.mesh.describe()}: all-reduce of the training loss")
+            loss = (stats[0] / stats[1]).item() if stats[1] > 0 else float("nan")
+            tr_loss -= tr_loss
+            self._skipped_since_log = 0
+            logs = {"loss": loss}
+            if grad_norm is not None:
+                logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+            logs["learning_rate"] = learning_rate if learning_rate is not None else self._get_learning_rate()
+            self._total_loss_scalar += loss * window
+            self._globalstep_last_logged = self.state.global_step
+            self.store_flos()
+            self.log(logs, start_time)
+            self.control.should_log = False
+        super()._maybe_log_save_evaluate(
+            tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate
+        )
+
+    def store_flos(self) -> None:
+        if self.live is None:
+            return super().store_flos()
+        flos = torch.tensor([float(self.current_flos)], dtype=torch.float64, device=self.args.device)
+        self._live_sum(flos, f"{self.mesh.describe()}: all-reduce of the floating-point operations")
+        self.state.total_flos += flos.item()
+        self.current_flos = 0
+
     # -------------------------------------------------------------------------------------- evaluation
 
     @torch.no_grad()
@@ -567,6 +676,15 @@ class NoLoCoTrainer(Trainer):
     ) -> dict[str, float]:
         """Perplexity pooled over all replicas' shards, each replica column evaluated as one model (fixed
         routing). Also the exact replica divergence, unless ``divergence_steps`` schedules it elsewhere."""
+        if self.live is not None:
+            try:
+                self.live.barrier()
+            except PeerError as exc:
+                self.live.failed(exc, self.state.global_step)
+                logger.warning(
+                    "%s: evaluation skipped: the live replicas are changing.", self.mesh.describe()
+                )
+                return {}
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
         start = time.monotonic()
@@ -576,8 +694,11 @@ class NoLoCoTrainer(Trainer):
             loss_sum, tokens = self.engine.eval_step(batch)
             totals += torch.tensor([loss_sum, tokens], dtype=torch.float64, device=totals.device)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-        if self.mesh.num_replicas > 1:
-            dist.all_reduce(totals, group=self.mesh.replica_group)
+        if self.mesh.num_live_replicas > 1:
+            work = dist.all_reduce(totals, group=self.mesh.replica_group, async_op=True)
+            wait_collective(
+                work, self.args.p2p_timeout, f"{self.mesh.describe()}: all-reduce of the evaluation loss"
+            )
         loss_sum, tokens = totals.tolist()
         metrics = {
             f"{metric_key_prefix}_loss": loss_sum / max(tokens, 1),
@@ -609,17 +730,35 @@ class NoLoCoTrainer(Trainer):
             folder = os.path.join(run_dir, f"{checkpoint.PREFIX_CHECKPOINT_DIR}-{best}")
             if best == self.state.global_step or os.path.isdir(folder):
                 self.state.best_model_checkpoint = folder  # recorded, and kept by save_total_limit
-        with self._patient():  # writing files may take longer than p2p_timeout
-            checkpoint.write_checkpoint(
-                run_dir,
+        if self.live is not None and self.live.offline:
+            logger.warning(
+                "%s: checkpoint-%d not written: the live replicas are changing.",
+                self.mesh.describe(),
                 self.state.global_step,
-                self.mesh,
-                self._write_rank_state,
-                self._write_run_state,
-                timeout=self.args.ddp_timeout,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
             )
+            return
+        with self._patient():  # writing files may take longer than p2p_timeout
+            try:
+                checkpoint.write_checkpoint(
+                    run_dir,
+                    self.state.global_step,
+                    self.mesh,
+                    self._write_rank_state,
+                    self._write_run_state,
+                    timeout=self.args.ddp_timeout,
+                    save_total_limit=self.args.save_total_limit,
+                    best_model_checkpoint=self.state.best_model_checkpoint,
+                    barrier=self.live.barrier if self.live is not None else None,
+                )
+            except PeerError as exc:
+                if self.live is None:
+                    raise
+                self.live.failed(exc, self.state.global_step)
+                logger.warning(
+                    "%s: checkpoint-%d not completed: a replica was lost while it was written.",
+                    self.mesh.describe(),
+                    self.state.global_step,
+                )
 
     def _write_rank_state(self, folder: str) -> list[str]:
         pipeline_state = {"engine": self.engine.state_dict(), "tokens_seen": self.tokens_seen}
@@ -647,7 +786,7 @@ class NoLoCoTrainer(Trainer):
         checkpoint.write_mesh_record(folder, self._mesh_record())
 
     def _mesh_record(self) -> dict:
-        return {
+        record = {
             "pipeline_stages": self.mesh.num_stages,
             "num_replicas": self.mesh.num_replicas,
             "layer_ranges": [list(r) for r in self.model.all_layer_ranges],
@@ -655,6 +794,9 @@ class NoLoCoTrainer(Trainer):
             "routing": self.args.routing,
             "adapter": adapters.adapter_record(self.peft_config),
         }
+        if self.mesh.num_live_replicas < self.mesh.num_replicas:
+            record["live_replicas"] = list(self.mesh.live_replicas)
+        return record
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         checkpoint.check_mesh_record(resume_from_checkpoint, self._mesh_record())
@@ -681,7 +823,25 @@ class NoLoCoTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Exports the consensus model (or ``export_replica``) as one ordinary HF checkpoint with a model card
-        and training curves. Collective: every rank calls it."""
+        and training curves. Collective: every rank calls it. Under ``on_replica_loss="continue"`` the
+        consensus is over the live replicas, and a replica lost during the export makes the others start it
+        again (up to three times)."""
+        if self.live is None:
+            return self._export(output_dir)
+        for _ in range(3):
+            self.live.fence()  # a pending change of the live replicas takes effect first
+            try:
+                return self._export(output_dir)
+            except Exception as exc:
+                if not _is_communication_error(exc):
+                    raise
+                self.live.failed(exc, self.state.global_step)
+                logger.warning(
+                    "%s: export interrupted by a lost replica; starting it again.", self.mesh.describe()
+                )
+        raise PeerError(f"{self.mesh.describe()}: the export was interrupted three times by lost replicas.")
+
+    def _export(self, output_dir: str | None) -> None:
         output_dir = output_dir or self.args.output_dir
         if self.peft_config is not None:
             self._save_adapter_export(output_dir)
@@ -700,15 +860,16 @@ class NoLoCoTrainer(Trainer):
             )
             if path is not None:
                 self._write_model_card(output_dir)
-            dist.barrier()
+            self._barrier()
 
     def _save_adapter_export(self, output_dir: str) -> None:
         """The consensus adapters (or ``export_replica``'s) as a PEFT adapter folder, or merged into the base
         model (``merge_adapter``), with the tokenizer and the model card. Collective: every rank calls it."""
         with self._patient():
             consensus = adapters.consensus_adapters(self.model, self.mesh, replica=self.args.export_replica)
-            full = gather_full_state_dict(consensus if self.mesh.replica == 0 else None, self.mesh)
-            if self.mesh.rank == 0:
+            first_column = self.mesh.replica == self.mesh.live_replicas[0]
+            full = gather_full_state_dict(consensus if first_column else None, self.mesh)
+            if self.mesh.is_leader:
                 if self.args.merge_adapter:
                     adapters.save_merged(output_dir, full, self.peft_config, self.base_model_folder)
                 else:
@@ -716,7 +877,14 @@ class NoLoCoTrainer(Trainer):
                 if self.processing_class is not None:
                     self.processing_class.save_pretrained(output_dir)
                 self._write_model_card(output_dir)
-            dist.barrier()
+            self._barrier()
+
+    def _barrier(self) -> None:
+        """Waits for every live rank (through the store under ``on_replica_loss="continue"``)."""
+        if self.live is not None:
+            self.live.barrier()
+        else:
+            dist.barrier(group=self.mesh.world_group)
 
     def run_settings(self) -> dict:
         """The run's settings as the model card and the wandb run show them."""
@@ -726,6 +894,8 @@ class NoLoCoTrainer(Trainer):
             "pipeline_stages": self.mesh.num_stages,
             "layer_ranges": [f"{a}-{b - 1}" for a, b in self.model.all_layer_ranges],
             "num_replicas": self.mesh.num_replicas,
+            "on_replica_loss": args.on_replica_loss,
+            "live_replicas": self.mesh.num_live_replicas if self.live is not None else None,
             "inner_steps": outer.inner_steps,
             "outer_lr": outer.outer_lr,
             "outer_momentum": outer.outer_momentum,
@@ -818,7 +988,7 @@ class NoLoCoTrainer(Trainer):
         self.save_model(self.args.output_dir)
         url = None
         with self._patient():  # the others wait while rank 0 uploads
-            if self.mesh.rank == 0:
+            if self.mesh.is_leader:
                 url = push_folder_to_hub(
                     self.args.output_dir,
                     self.hub_model_id or self.args.hub_model_id,
@@ -827,8 +997,14 @@ class NoLoCoTrainer(Trainer):
                     commit_message=commit_message or "End of training",
                     revision=revision or self.args.hub_revision,
                 )
-            dist.barrier()
+            self._barrier()
         return url
+
+    def close_watchers(self) -> None:
+        """Stops the heartbeat (and, under ``on_replica_loss="continue"``, the membership watch)."""
+        if self.live is not None:
+            self.live.close()
+        self.watch.close()
 
     # --------------------------------------------------------------------------------- timeouts
 
@@ -837,7 +1013,8 @@ class NoLoCoTrainer(Trainer):
         under NCCL a margin beyond ``seconds``, so that our own bounded waits fail first and name the peer).
         """
         timeout = group_timeout(dist.get_backend(), seconds)
-        for group in (None, self.mesh.replica_group, self.mesh.column_group):  # None: the default group
+        groups = (None, self.mesh.world_group, self.mesh.replica_group, self.mesh.column_group)
+        for group in dict.fromkeys(groups):  # None: the default group
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
     @contextlib.contextmanager
@@ -860,9 +1037,12 @@ class NoLoCoTrainer(Trainer):
                     wandb.finish()
             except ImportError:
                 pass
-        self.watch.close()
-        if dist.is_initialized():
+        if self.live is not None:
+            with contextlib.suppress(PeerError):  # a rank lost at the very end: nothing left to wait for
+                self.live.barrier()
+        elif dist.is_initialized():
             dist.barrier()
+        self.close_watchers()
         super().end()
         if dist.is_initialized():
             dist.destroy_process_group()

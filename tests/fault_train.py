@@ -10,6 +10,7 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), or call :func:`run` in a process whos
     stop-log    SIGSTOP at the end of ``step``, before the step's logging collectives (a hung machine)
     nan-loss    the stage output of one microbatch of ``step`` becomes NaN (use on the last stage)
     nan-grad    one gradient entry becomes NaN after the backward of ``step``
+``ON_REPLICA_LOSS`` (stop|continue), ``MAX_STEPS``, ``EXPORT`` (1: export to OUT/export after training),
 ``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds) and ``RESUME`` (1: from the newest intact checkpoint;
 any other value: that checkpoint folder) set the run. Each rank writes ``pid-rank{r}`` at start and
 ``result-rank{r}.pt`` (losses, weights, counters) at the end.
@@ -153,6 +154,7 @@ def run(out: str) -> None:
     import torch.distributed as dist
 
     from hf_noloco.config import NoLoCoConfig
+    from hf_noloco.membership import ReplicaDropped
     from hf_noloco.trainer import NoLoCoTrainer
 
     torch.set_num_threads(1)
@@ -167,7 +169,7 @@ def run(out: str) -> None:
         learning_rate=3e-3,
         lr_scheduler_type="constant",
         warmup_steps=0,
-        max_steps=MAX_STEPS,
+        max_steps=int(os.environ.get("MAX_STEPS", MAX_STEPS)),
         logging_steps=1,
         eval_strategy="no",
         save_strategy="steps",
@@ -180,11 +182,21 @@ def run(out: str) -> None:
         seed=5,
         p2p_timeout=float(os.environ.get("P2P_TIMEOUT", "3")),
         nonfinite=os.environ.get("NONFINITE", "error"),
+        on_replica_loss=os.environ.get("ON_REPLICA_LOSS", "stop"),
     )
-    trainer = NoLoCoTrainer(byte_config(), args, train_dataset=byte_corpus(128))
+    trainer = NoLoCoTrainer(byte_config(), args, train_dataset=byte_corpus(max(128, 16 * args.max_steps)))
     install_fault(trainer, dist.get_rank())
     resume = os.environ.get("RESUME") or None
-    trainer.train(resume_from_checkpoint=True if resume == "1" else resume)
+    try:
+        trainer.train(resume_from_checkpoint=True if resume == "1" else resume)
+        if os.environ.get("EXPORT") == "1":
+            trainer.save_model(os.path.join(out, "export"))
+    except ReplicaDropped as exc:  # on_replica_loss="continue": this column was dropped; leave quietly
+        print(f"fault_train: dropped: {exc}", flush=True)
+        trainer.close_watchers()
+        with open(os.path.join(out, f"dropped-rank{rank}"), "w") as f:
+            f.write(str(exc))
+        os._exit(0)
     inner = trainer.outer.inner
     torch.save(
         {
@@ -192,6 +204,9 @@ def run(out: str) -> None:
             "weights": {k: v.clone() for k, v in trainer.model.state_dict().items()},
             "global_step": trainer.state.global_step,
             "outer_steps": trainer.outer.outer_step_count,
+            "skipped_outer_steps": trainer.outer.skipped_outer_steps,
+            "live_replicas": trainer.mesh.live_replicas,
+            "tokens_seen": trainer.tokens_seen,
             "adam_steps": sorted({int(s["step"]) for s in inner.state.values()}),
         },
         os.path.join(out, f"result-rank{dist.get_rank()}.pt"),

@@ -39,11 +39,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DESCRIBE = {r: f"rank {r} (stage {r % 2}, replica {r // 2})" for r in range(WORLD)}
 
 
-def _child(rank, store_port, out, env):
+def _child(rank, world, store_port, out, env):
     os.environ.update(
         env,
         RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store_port),
@@ -54,8 +54,8 @@ def _child(rank, store_port, out, env):
     os.dup2(log, 2)
     sys.stdout = sys.stderr = open(log, "w", buffering=1, closefd=False)  # noqa: SIM115 - pytest replaced them
     logging.getLogger().handlers = [logging.StreamHandler()]  # and the root logger's handlers
-    store = dist.TCPStore("127.0.0.1", store_port, WORLD, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         fault_train.run(out)  # an exception prints its traceback into the log and exits with code 1
     finally:
@@ -97,27 +97,28 @@ def _stopped(pid):
     return _state(pid) == "T"
 
 
-def launch(out, timeout=90.0, **env):
-    """Forks the 4 ranks of one run; returns (exit codes, seconds to each exit, per-rank logs, results)."""
+def launch(out, timeout=90.0, world=WORLD, **env):
+    """Forks the ``world`` (4) ranks of one run, around a store this process hosts; returns (exit codes,
+    seconds to each exit, per-rank logs, results)."""
     os.makedirs(out, exist_ok=True)
     store = dist.TCPStore(
-        "127.0.0.1", 0, WORLD + 1, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False
+        "127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False
     )
     context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_child, args=(r, store.port, str(out), env)) for r in range(WORLD)]
+    procs = [context.Process(target=_child, args=(r, world, store.port, str(out), env)) for r in range(world)]
     started = time.monotonic()
     for p in procs:
         p.start()
     codes, times, logs = _finish(procs, str(out), lambda p: p.exitcode, started + timeout)
     for p in procs:
         p.join(5)
-    return codes, times, logs, _results(out)
+    return codes, times, logs, _results(out, world)
 
 
-def _results(out):
+def _results(out, world=WORLD):
     return {
         r: torch.load(path, weights_only=False)
-        for r in range(WORLD)
+        for r in range(world)
         if os.path.exists(path := os.path.join(out, f"result-rank{r}.pt"))
     }
 
