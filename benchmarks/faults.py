@@ -1,13 +1,18 @@
 """Fault benchmark: what losing one rank costs a dp = 4 x pp = 2 NoLoCo run.
 
-The same seeded run twice, each as one job under ``torchrun --standalone --nproc_per_node 8 --max-restarts 1``
-(8 gloo processes, one thread each):
+The same seeded run four times (8 gloo processes, one thread each):
 
-- ``uninterrupted``: no fault;
-- ``stop+restart``: one rank SIGKILLs itself as step ``kill_step`` begins (first attempt only). The launcher
-  stops the other workers and starts all 8 again; they resume from the newest intact checkpoint by themselves.
+- ``uninterrupted``: no fault, one job under ``torchrun --standalone --nproc_per_node 8 --max-restarts 1``;
+- ``stop+restart``: the same job, where one rank SIGKILLs itself as step ``kill_step`` begins (first attempt
+  only). The launcher stops the other workers and starts all 8 again; they resume from the newest intact
+  checkpoint by themselves;
+- ``continue, uninterrupted``: ``on_replica_loss="continue"``, launched as four ``python -m
+  hf_noloco.column_launch`` (one per replica column, column 0 hosting the store), no fault: what the mode's
+  per-step fence costs;
+- ``continue``: the same, with the same rank killed at the same step. Its column is dropped; the six other
+  processes train on to ``max_steps`` with three replicas.
 
-Reported per faulty job, against the uninterrupted one:
+Reported for ``stop+restart``, against the uninterrupted job:
 
 - tokens lost: the steps the first attempt had finished after its last checkpoint, trained again (times the
   tokens of one step over all replicas);
@@ -17,11 +22,13 @@ Reported per faulty job, against the uninterrupted one:
 - final validation perplexity of both (a resume is exact, so they should be equal), and whether the losses the
   restarted job logged after the kill are the uninterrupted job's.
 
-``continue`` (training on without the lost replica) is not implemented (see the README's reliability section);
-the JSON says so instead of a number.
+Reported for ``continue``: the tokens not trained (the interrupted step on the ranks that skipped it, and the
+lost replica's share of every later step), the wall time against both uninterrupted jobs, the time from the
+kill to the end of the interrupted step (detection, agreement, new process groups), and the final validation
+perplexity (three replicas train the last steps, so it need not equal the uninterrupted one).
 
-    python benchmarks/faults.py           # 96 steps, checkpoints every 32, rank 5 killed at step 56 (~5 min)
-    python benchmarks/faults.py --quick   # 16 steps (~2 min): checks the machinery
+    python benchmarks/faults.py           # 96 steps, checkpoints every 32, rank 5 killed at step 56 (~10 min)
+    python benchmarks/faults.py --quick   # 16 steps (~4 min): checks the machinery
 
 Writes benchmarks/results/faults.json (faults_quick.json with --quick). The model, corpus and optimizer
 settings are the convergence study's (benchmarks/studies/factorial.yaml, arm noloco-H8-a0.3).
@@ -79,6 +86,7 @@ def worker(plan_path: str) -> None:
 
     from hf_noloco import elastic
     from hf_noloco.config import NoLoCoConfig
+    from hf_noloco.membership import ReplicaDropped
     from hf_noloco.trainer import NoLoCoTrainer
 
     with open(plan_path) as f:
@@ -116,6 +124,7 @@ def worker(plan_path: str) -> None:
         seed=1,
         data_seed=1,
         p2p_timeout=60,
+        on_replica_loss="continue" if plan.get("continue") else "stop",
     )
     trainer = NoLoCoTrainer(LlamaConfig(**MODEL, tie_word_embeddings=False), args, train_dataset=train)
     trainer.remove_callback(PrinterCallback)
@@ -142,8 +151,13 @@ def worker(plan_path: str) -> None:
             timeline["step_end"][state.global_step] = time.time()
 
     trainer.add_callback(Timeline())
-    trainer.train()
+    try:
+        trainer.train()
+    except ReplicaDropped:  # continue: the killed rank's column mate leaves; the others train on
+        trainer.close_watchers()
+        os._exit(0)
     timeline["train_end"] = time.time()
+    timeline["tokens_seen"] = trainer.tokens_seen
     metrics = trainer.evaluate(eval_)
     if rank == 0:
         timeline["eval_perplexity"] = metrics["eval_perplexity"]
@@ -191,6 +205,83 @@ def run_job(plan: dict, work: str, name: str) -> dict:
         "load_1min": [load_before, os.getloadavg()[0]],
         "timelines": timelines,
         "killed": killed,
+    }
+
+
+def run_columns_job(plan: dict, work: str, name: str) -> dict:
+    """One on_replica_loss="continue" run: a ``hf_noloco.column_launch`` per replica column (column 0 hosts
+    the store); returns its wall time, the launches' exit statuses and rank 0's timeline."""
+    from hf_noloco.local_launch import free_port
+
+    out = os.path.join(work, name)
+    os.makedirs(out)
+    plan = dict(plan, out=out, **{"continue": True})
+    plan_path = os.path.join(work, f"{name}.json")
+    with open(plan_path, "w") as f:
+        json.dump(plan, f)
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    load_before = os.getloadavg()[0]
+    started = time.time()
+    launches = []
+    for column in range(DP):
+        command = [sys.executable, "-m", "hf_noloco.column_launch", "--store", f"127.0.0.1:{port}"]
+        command += ["--host-store", "--linger", "2"] if column == 0 else []
+        command += ["--column", str(column), "--columns", str(DP), "--stages", str(PP)]
+        command += [os.path.abspath(__file__), "--worker", plan_path]
+        log = open(os.path.join(work, f"{name}-column{column}.log"), "w")  # noqa: SIM115 - closed below
+        launches.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    codes = []
+    for proc, log in launches:
+        codes.append(proc.wait(timeout=1800))
+        log.close()
+    wall = time.time() - started
+    with open(os.path.join(out, "timeline-attempt1.json")) as f:
+        timeline = json.load(f)
+    killed = None
+    if os.path.exists(os.path.join(out, "killed_at.json")):
+        with open(os.path.join(out, "killed_at.json")) as f:
+            killed = json.load(f)
+    return {
+        "wall_s": wall,
+        "started": started,
+        "load_1min": [load_before, os.getloadavg()[0]],
+        "launch_exit_codes": codes,
+        "timelines": {1: timeline},
+        "killed": killed,
+    }
+
+
+def summarize_continue(plain: dict, steady: dict, faulty: dict, tokens_per_step: int) -> dict:
+    """The continue run against the uninterrupted torchrun job (``plain``) and the uninterrupted continue run
+    (``steady``)."""
+    final, calm, straight = faulty["timelines"][1], steady["timelines"][1], plain["timelines"][1]
+    killed = faulty["killed"]
+    step = killed["step"]
+    ends = {int(k): v for k, v in final["step_end"].items()}
+    normal_step_s = (calm["train_end"] - calm["train_begin"]) / len(calm["step_end"])
+    return {
+        "killed_rank": killed["rank"],
+        "killed_at_step": step,
+        "launch_exit_codes": faulty["launch_exit_codes"],
+        "steps_run_by_survivors": len(ends),
+        "tokens_trained": final["tokens_seen"],
+        "tokens_not_trained": tokens_per_step * len(ends) - final["tokens_seen"],
+        "tokens_of_the_lost_replica_after_the_kill": (len(ends) - step) * tokens_per_step // DP,
+        "kill_to_end_of_interrupted_step_s": ends[step] - killed["time"],
+        "normal_step_s": normal_step_s,
+        "wall_time_vs_uninterrupted_continue_s": faulty["wall_s"] - steady["wall_s"],
+        "wall_time_vs_uninterrupted_torchrun_s": faulty["wall_s"] - plain["wall_s"],
+        "continue_overhead_uninterrupted_s": steady["wall_s"] - plain["wall_s"],
+        "train_time_per_step_continue_vs_torchrun": normal_step_s
+        / ((straight["train_end"] - straight["train_begin"]) / len(straight["step_end"])),
+        "final_perplexity": final["eval_perplexity"],
+        "uninterrupted_continue_final_perplexity": calm["eval_perplexity"],
+        "uninterrupted_final_perplexity": straight["eval_perplexity"],
+        "perplexity_ratio": final["eval_perplexity"] / straight["eval_perplexity"],
+        "losses_before_kill_identical": all(
+            final["losses"][s] == straight["losses"][s] for s in straight["losses"] if int(s) < step
+        ),
     }
 
 
@@ -262,7 +353,20 @@ def main() -> None:
             faulty = run_job(dict(plan, fault=True), work, f"stop-restart-{repeat}")
             summary = summarize(plain, faulty, tokens_per_step)
             print(json.dumps(summary, indent=1), flush=True)
-            runs.append({"summary": summary, "uninterrupted": plain, "stop_restart": faulty})
+            steady = run_columns_job(dict(plan, fault=False), work, f"continue-uninterrupted-{repeat}")
+            kept = run_columns_job(dict(plan, fault=True), work, f"continue-{repeat}")
+            summary_continue = summarize_continue(plain, steady, kept, tokens_per_step)
+            print(json.dumps(summary_continue, indent=1), flush=True)
+            runs.append(
+                {
+                    "summary": summary,
+                    "summary_continue": summary_continue,
+                    "uninterrupted": plain,
+                    "stop_restart": faulty,
+                    "continue_uninterrupted": steady,
+                    "continue": kept,
+                }
+            )
     result = {
         "benchmark": "faults",
         "mesh": {"dp": DP, "pp": PP, "processes": DP * PP},
@@ -270,13 +374,12 @@ def main() -> None:
         "settings": dict(
             settings, tokens_per_step=tokens_per_step, block_size=BLOCK, global_batch=GLOBAL_BATCH
         ),
-        "launch": "torchrun --standalone --nproc_per_node 8 --max-restarts 1",
+        "launch": {
+            "stop+restart": "torchrun --standalone --nproc_per_node 8 --max-restarts 1",
+            "continue": "python -m hf_noloco.column_launch --column C --columns 4 --stages 2 (x4)",
+        },
         "machine": machine(),
         "runs": runs,
-        "continue": {
-            "status": "not implemented",
-            "why": "on_replica_loss: continue is not built; see the README's reliability section",
-        },
     }
     os.makedirs(RESULTS_DIR, exist_ok=True)
     path = os.path.join(RESULTS_DIR, "faults_quick.json" if cli.quick else "faults.json")

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from hf_noloco.comm import consecutive_buckets, flatten
+from hf_noloco.comm import consecutive_buckets, flatten, wait_collective
 from hf_noloco.mesh import PipelineMesh
 
 # exp(x) overflows a float64 above ~709.78; report inf instead of raising.
@@ -68,7 +68,7 @@ def replica_divergence(module: torch.nn.Module, mesh: PipelineMesh) -> dict[str,
         theta = flatten([params[i] for i in bucket], torch.float32)
         mean = theta.clone()
         if num_replicas > 1:
-            dist.all_reduce(mean, group=mesh.replica_group)
+            _all_reduce(mean, mesh.replica_group)
             mean.div_(num_replicas)
         sq_sum += (theta - mean).pow_(2).sum(dtype=torch.float64)
     # Slot s: stage s's squared deviations summed over its replicas; slot S+s: its numel. Reduced over the
@@ -76,15 +76,22 @@ def replica_divergence(module: torch.nn.Module, mesh: PipelineMesh) -> dict[str,
     stats = torch.zeros(2 * num_stages, dtype=torch.float64, device=device)
     stats[mesh.stage] = sq_sum
     if num_replicas > 1:
-        dist.all_reduce(stats, group=mesh.replica_group)
+        _all_reduce(stats, mesh.replica_group)
     stats[num_stages + mesh.stage] = float(numel)
     if num_stages > 1:
-        dist.all_reduce(stats, group=mesh.column_group)
+        _all_reduce(stats, mesh.column_group)
     stats = stats.tolist()
     result = {"replica_divergence": _rms(sum(stats[:num_stages]), sum(stats[num_stages:]), num_replicas)}
     for s in range(num_stages):
         result[f"replica_divergence/stage_{s}"] = _rms(stats[s], stats[num_stages + s], num_replicas)
     return result
+
+
+def _all_reduce(tensor: torch.Tensor, group) -> None:
+    # Waited for through comm: a lost member is a PeerError, and under on_replica_loss="continue" a change of
+    # the live replicas interrupts the wait. The group's own timeout (p2p_timeout) bounds it.
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    wait_collective(work, 24 * 3600.0, "the replica-divergence all-reduce")
 
 
 def _rms(sq_sum: float, numel: float, num_replicas: int) -> float:

@@ -585,7 +585,7 @@ class NoLoCoTrainer(Trainer):
             step = self.state.global_step
             steps = self.args.divergence_steps
             if steps is not None and step - self._last_divergence_step >= steps:
-                logs.update(replica_divergence(self.model, self.mesh))
+                logs.update(self._divergence())
                 self._last_divergence_step = step
             stats = torch.tensor(
                 [
@@ -612,6 +612,21 @@ class NoLoCoTrainer(Trainer):
             # from 0 after a resume (it skips no batches then).
             self.state.epoch = self.state.global_step / self.state.max_steps
         super().log(logs, start_time)
+
+    def _divergence(self) -> dict[str, float]:
+        """:func:`~hf_noloco.metrics.replica_divergence` over the live replicas; under
+        ``on_replica_loss="continue"`` none while they are changing (or if one is lost meanwhile)."""
+        if self.live is None:
+            return replica_divergence(self.model, self.mesh)
+        if self.live.offline:
+            return {}
+        try:
+            return replica_divergence(self.model, self.mesh)
+        except Exception as exc:
+            if not _is_communication_error(exc):
+                raise
+            self.live.failed(exc, self.state.global_step)
+            return {}
 
     def _live_sum(self, tensor: torch.Tensor, what: str) -> int:
         """Sums ``tensor`` in place over every live rank; returns how many ranks it summed over. Under
@@ -675,16 +690,23 @@ class NoLoCoTrainer(Trainer):
         self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
         """Perplexity pooled over all replicas' shards, each replica column evaluated as one model (fixed
-        routing). Also the exact replica divergence, unless ``divergence_steps`` schedules it elsewhere."""
-        if self.live is not None:
-            try:
-                self.live.barrier()
-            except PeerError as exc:
-                self.live.failed(exc, self.state.global_step)
-                logger.warning(
-                    "%s: evaluation skipped: the live replicas are changing.", self.mesh.describe()
-                )
-                return {}
+        routing). Also the exact replica divergence, unless ``divergence_steps`` schedules it elsewhere.
+        Under ``on_replica_loss="continue"`` the live replicas are evaluated, and an evaluation that a lost
+        replica interrupts returns ``{}``."""
+        if self.live is None:
+            return self._evaluate_pipeline(eval_dataset, metric_key_prefix)
+        try:
+            self.live.barrier()
+            return self._evaluate_pipeline(eval_dataset, metric_key_prefix)
+        except Exception as exc:
+            if not _is_communication_error(exc):
+                raise
+            self.live.failed(exc, self.state.global_step)
+            self.model.train()
+            logger.warning("%s: evaluation skipped: the live replicas are changing.", self.mesh.describe())
+            return {}
+
+    def _evaluate_pipeline(self, eval_dataset, metric_key_prefix: str) -> dict[str, float]:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
         start = time.monotonic()
@@ -707,7 +729,7 @@ class NoLoCoTrainer(Trainer):
             f"{metric_key_prefix}_runtime": time.monotonic() - start,
         }
         if self.args.divergence_steps is None:
-            metrics.update(replica_divergence(self.model, self.mesh))
+            metrics.update(self._divergence())
         self.model.train()
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

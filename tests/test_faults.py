@@ -10,6 +10,7 @@ Two ways to start the ranks:
 - ``launch_processes``/torchrun: separate ``python`` processes, as users start them.
 """
 
+import contextlib
 import glob
 import hashlib
 import logging
@@ -77,8 +78,8 @@ def _finish(procs, out, exitcode, deadline):
         time.sleep(0.05)
     for r in range(len(procs)):
         if codes[r] is None:  # left running or stopped: kill it so that the test machine stays clean
-            pid = int(Path(out, f"pid-rank{r}").read_text())
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(procs[r].pid, signal.SIGKILL)
     logs = []
     for r in range(len(procs)):
         path = os.path.join(out, f"log-rank{r}.txt")
@@ -97,21 +98,41 @@ def _stopped(pid):
     return _state(pid) == "T"
 
 
+_HOST_STORE = (
+    "import sys, time, torch.distributed as dist\n"
+    "store = dist.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(3600)\n"
+)
+
+
+@contextlib.contextmanager
+def store_process():
+    """A store hosted by a process of its own (no worker hosts it, as under an agent), yielding its port. Not
+    hosted in this process: forking it while its store's server thread runs can leave a child deadlocked."""
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", _HOST_STORE, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "ready"
+        yield port
+    finally:
+        host.kill()
+        host.wait()
+
+
 def launch(out, timeout=90.0, world=WORLD, **env):
-    """Forks the ``world`` (4) ranks of one run, around a store this process hosts; returns (exit codes,
-    seconds to each exit, per-rank logs, results)."""
+    """Forks the ``world`` (4) ranks of one run, around a store of their own (:func:`store_process`); returns
+    (exit codes, seconds to each exit, per-rank logs, results)."""
     os.makedirs(out, exist_ok=True)
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False
-    )
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_child, args=(r, world, store.port, str(out), env)) for r in range(world)]
-    started = time.monotonic()
-    for p in procs:
-        p.start()
-    codes, times, logs = _finish(procs, str(out), lambda p: p.exitcode, started + timeout)
-    for p in procs:
-        p.join(5)
+    with store_process() as port:
+        context = multiprocessing.get_context("fork")
+        procs = [context.Process(target=_child, args=(r, world, port, str(out), env)) for r in range(world)]
+        started = time.monotonic()
+        for p in procs:
+            p.start()
+        codes, times, logs = _finish(procs, str(out), lambda p: p.exitcode, started + timeout)
+        for p in procs:
+            p.join(5)
     return codes, times, logs, _results(out, world)
 
 
