@@ -25,6 +25,7 @@ from torch import nn
 
 from .comm import flatten, unflatten_into
 from .config import PEFT_INSTALL_HINT, check_export_replica, check_lora_settings
+from .export import save_from_this_rank
 
 ADAPTER_NAME = "default"
 ALL_LINEAR = "all-linear"
@@ -167,7 +168,7 @@ def save_merged(output_dir: str, adapters: dict[str, torch.Tensor], config, base
     with tempfile.TemporaryDirectory() as folder:
         save_adapter(folder, adapters, config, base_folder)
         merged = peft.PeftModel.from_pretrained(base, folder).merge_and_unload()
-    merged.save_pretrained(output_dir)
+    save_from_this_rank(merged, output_dir)
 
 
 def adapter_summary(config) -> str:

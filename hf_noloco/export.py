@@ -162,6 +162,14 @@ def gather_full_state_dict(
     return merged
 
 
+def save_from_this_rank(model, output_dir: str) -> None:
+    """``model.save_pretrained(output_dir)`` (safetensors) from whichever rank calls it. Under
+    torch.distributed, transformers writes only on global rank 0 and silently skips the others; the rank that
+    assembled the model writes it here, rank 0 or not (the first live replica's, once rank 0's was lost)."""
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    model.save_pretrained(output_dir)
+
+
 def _rebuild_computed_buffers(model: nn.Module) -> None:
     """Rotary embeddings hold computed, non-persistent buffers that a state dict does not carry: after a meta-
     device build they must be recomputed on CPU (as :func:`hf_noloco.partition.build_stage` does)."""
@@ -252,7 +260,7 @@ def save_consensus_checkpoint(
     del full
     if generation_config is not None:
         model.generation_config = generation_config
-    model.save_pretrained(output_dir)  # transformers 5 writes safetensors only
+    save_from_this_rank(model, output_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(output_dir)
     what = "replica mean" if replica is None else f"replica {replica}"

@@ -666,7 +666,7 @@ class NoLoCoTrainer(Trainer):
             if grad_norm is not None:
                 logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
             logs["learning_rate"] = learning_rate if learning_rate is not None else self._get_learning_rate()
-            self._total_loss_scalar += loss * window
+            self._total_loss_scalar += loss * window if math.isfinite(loss) else 0.0
             self._globalstep_last_logged = self.state.global_step
             self.store_flos()
             self.log(logs, start_time)
@@ -1075,6 +1075,8 @@ def _check_adapter_inputs(model, args: NoLoCoConfig, peft_config) -> None:
         if args.merge_adapter:
             raise ValueError("merge_adapter=True merges LoRA adapters: it needs use_peft (a peft_config).")
         return
+    if args.on_replica_loss == "continue":
+        raise ValueError("on_replica_loss='continue' does not support LoRA adapters (use_peft) yet.")
     if type(peft_config).__name__ != "LoraConfig":
         raise TypeError(f"peft_config must be a peft.LoraConfig, got {type(peft_config).__name__}.")
     if not isinstance(model, str):

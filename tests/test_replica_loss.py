@@ -28,6 +28,7 @@ from hf_noloco.routing import Router
 WORLD, STAGES, MAX_STEPS = 8, 2, 12  # dp = 4 replica columns of 2 stages; outer steps after steps 3, 6, 9, 12
 VICTIM, MATE = 5, 4  # column 2: stage 1 is lost, stage 0 must leave
 SURVIVORS = [0, 1, 2, 3, 6, 7]
+LIVE = [0, 1, 3]
 CONTINUE = dict(
     ON_REPLICA_LOSS="continue",
     TORCHELASTIC_USE_AGENT_STORE="True",  # the workers join a store they do not host
@@ -115,40 +116,46 @@ def uninterrupted(tmp_path_factory):
     return results
 
 
-def assert_trained_on(out, codes, logs, results, uninterrupted, fault_step, victim_code):
-    """The survivors trained to max_steps on replicas 0, 1, 3 and exported their mean; the mate left."""
-    assert codes[VICTIM] == victim_code, (codes, logs[VICTIM][-2000:])
-    assert codes[MATE] == 0 and os.path.exists(out / f"dropped-rank{MATE}"), (codes, logs[MATE][-3000:])
-    for r in SURVIVORS:
+def assert_trained_on(out, codes, logs, results, uninterrupted, fault_step, victim_code, victim=VICTIM):
+    """The survivors trained to max_steps on the live replicas and exported their mean; the mate left."""
+    mate = victim ^ 1
+    live = [c for c in range(WORLD // STAGES) if c != victim // STAGES]
+    survivors = [r for r in range(WORLD) if r // STAGES in live]
+    assert codes[victim] == victim_code, (codes, logs[victim][-2000:])
+    assert codes[mate] == 0 and os.path.exists(out / f"dropped-rank{mate}"), (codes, logs[mate][-3000:])
+    for r in survivors:
         assert codes[r] == 0, (r, codes, logs[r][-3000:])
         assert results[r]["global_step"] == MAX_STEPS
-        assert results[r]["live_replicas"] == [0, 1, 3]
-        assert "view 1 in effect: live replicas [0, 1, 3]" in logs[r]
+        assert results[r]["live_replicas"] == live
+        assert f"view 1 in effect: live replicas {live}" in logs[r]
         losses, before = results[r]["losses"], uninterrupted[r]["losses"]
         for step in range(1, fault_step):  # the same run until the fault
             assert losses[step] == before[step], (r, step)
         assert losses[MAX_STEPS] < losses[fault_step - 1] - 0.3, losses  # and still learning after it
         assert results[r]["outer_steps"] == MAX_STEPS // 3
     # Three replicas train after the loss: fewer tokens than the uninterrupted run, more than 3/4 of them.
-    for r in SURVIVORS:
+    for r in survivors:
         assert 0.75 < results[r]["tokens_seen"] / uninterrupted[r]["tokens_seen"] < 1
-    # The export is the mean over the live replicas of each stage's final weights.
+    # The export is the mean over the live replicas of each stage's final weights, written by the first stage
+    # of the first live replica (rank 0 unless its column was lost).
     exported = load_file(str(out / "export" / "model.safetensors"))
     for stage in range(STAGES):
-        ranks = [c * STAGES + stage for c in (0, 1, 3)]
+        ranks = [c * STAGES + stage for c in live]
         for name in results[ranks[0]]["weights"]:
             mean = torch.stack([results[r]["weights"][name].float() for r in ranks]).mean(0)
             torch.testing.assert_close(exported[name].float(), mean, rtol=0, atol=1e-6, msg=name)
 
 
-def test_sigkill_mid_step_drops_the_column_and_the_others_train_on(tmp_path, uninterrupted):
+@pytest.mark.parametrize("victim", [VICTIM, 1])  # rank 1: column 0 (rank 0's) is lost, rank 2 leads
+def test_sigkill_mid_step_drops_the_column_and_the_others_train_on(tmp_path, uninterrupted, victim):
     out = tmp_path / "run"
-    codes, _, logs, results = launch(out, timeout=150, world=WORLD, FAULT=f"kill-step:5:{VICTIM}", **CONTINUE)
-    assert_trained_on(out, codes, logs, results, uninterrupted, 5, -signal.SIGKILL)
+    codes, _, logs, results = launch(out, timeout=150, world=WORLD, FAULT=f"kill-step:5:{victim}", **CONTINUE)
+    assert_trained_on(out, codes, logs, results, uninterrupted, 5, -signal.SIGKILL, victim)
     # Checkpoints go on after the loss and say which replicas they hold; the lost column has no folder.
+    lost = victim // STAGES
     record = json.loads((out / "checkpoint-8" / "noloco_mesh.json").read_text())
-    assert record["live_replicas"] == [0, 1, 3]
-    assert not list((out / "checkpoint-8").glob("*replica-2*"))
+    assert record["live_replicas"] == [c for c in range(4) if c != lost]
+    assert not list((out / "checkpoint-8").glob(f"*replica-{lost}*"))
 
 
 def test_sigkill_inside_the_outer_exchange(tmp_path, uninterrupted):
@@ -160,6 +167,7 @@ def test_sigkill_inside_the_outer_exchange(tmp_path, uninterrupted):
     )
     assert_trained_on(out, codes, logs, results, uninterrupted, 6, -signal.SIGKILL)
     assert any(results[r]["skipped_outer_steps"] > 0 for r in SURVIVORS)
+    assert results[0]["live_replicas"] == LIVE
 
 
 def test_frozen_rank_is_dropped_after_p2p_timeout(tmp_path, uninterrupted):
@@ -216,3 +224,16 @@ def test_column_launches_survive_a_killed_worker(tmp_path):
     assert codes == [0, 0, 128 + signal.SIGKILL, 0], [t[-3000:] for t in texts]
     assert (out / "export" / "model.safetensors").exists()
     assert os.path.exists(out / f"dropped-rank{MATE}")
+
+
+def test_a_checkpoint_written_after_a_loss_is_refused_for_resume(tmp_path):
+    from hf_noloco.checkpoint import MESH_FILE, check_mesh_record
+
+    record = {"pipeline_stages": 2, "num_replicas": 4, "layer_ranges": [[0, 2], [2, 4]]}
+    record["outer_optimizer"] = "noloco"
+    (tmp_path / MESH_FILE).write_text(json.dumps(dict(record, adapter=None, live_replicas=[0, 1, 3])))
+    lost = r"written after replicas were lost .* live replicas \[0, 1, 3\] of 4"
+    with pytest.raises(ValueError, match=lost):
+        check_mesh_record(str(tmp_path), dict(record, adapter=None))
+    (tmp_path / MESH_FILE).write_text(json.dumps(dict(record, adapter=None)))
+    check_mesh_record(str(tmp_path), dict(record, adapter=None))  # the same mesh, no loss: accepted
