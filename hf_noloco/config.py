@@ -480,12 +480,13 @@ class NoLoCoConfig(TrainingArguments):
             `"skip"` drops that step's gradients, so the optimizer leaves the weights and its state untouched,
             logs a warning and goes on. Every stage of the affected replica column takes the same decision.
         on_replica_loss (`str`, *optional*, defaults to `"stop"`):
-            What a lost rank (killed, or silent for longer than `p2p_timeout`) does to the run: `"stop"`
-            ends every process with an error naming it (resume from the newest intact checkpoint, by hand or
-            with a launcher's `--max-restarts`); `"continue"` drops the lost rank's whole replica column and
-            trains on with the others (NoLoCo and `local` only, on gloo, with one launch per replica column
-            from `python -m hf_noloco.column_launch`, whose store outlives every worker; see
-            `hf_noloco/membership.py`). The step during which the loss happened is skipped by the survivors
+            What a lost rank does to the run. `"stop"`: every process ends with an error naming it (resume
+            from the newest intact checkpoint, by hand or with a launcher's `--max-restarts`). `"continue"`:
+            the lost rank's whole replica column is dropped and the others train on to `max_steps` (NoLoCo
+            and `local` only, on gloo, with one launch per replica column from `python -m
+            hf_noloco.column_launch`, whose store outlives every worker; see `hf_noloco/membership.py`).
+            A rank is lost when killed, or when its heartbeat in the store stops for `min(p2p_timeout, 10)`
+            seconds (frozen, cut off). The step during which the loss happened is skipped by the survivors
             that had not finished it; the lost column's data shard is skipped for the rest of the run;
             routing pairs and gossip groups are drawn among the live replicas; checkpoints, metrics and the
             export cover the live replicas. A checkpoint written after a loss cannot be resumed yet.

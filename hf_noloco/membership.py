@@ -36,6 +36,19 @@ from .comm import PeerWatch, ViewChange, interrupt_waits_on
 logger = logging.getLogger(__name__)
 
 
+# A heartbeat beats every 0.5 s from a thread of its own, whatever the process computes, on a store
+# connection of its own: 10 s of silence means a process that is gone or frozen, not a slow one. A rank killed
+# between two messages (e.g. while the others wait at a fence) is then dropped after 10 s, not after a long
+# p2p_timeout.
+SILENCE_LIMIT = 10.0
+
+
+def silence_limit(p2p_timeout: float) -> float:
+    """Seconds of heartbeat silence after which a rank is lost: ``p2p_timeout``, at most
+    :data:`SILENCE_LIMIT`."""
+    return min(p2p_timeout, SILENCE_LIMIT)
+
+
 class ReplicaDropped(RuntimeError):
     """This process's replica column is no longer part of the run: it must leave without communicating."""
 
@@ -52,7 +65,8 @@ class Membership:
     Args:
         watch: this rank's :class:`~hf_noloco.comm.PeerWatch` (its store and heartbeats).
         rank / num_stages / num_replicas: the mesh shape and this rank.
-        silence: seconds without a heartbeat after which a rank counts as lost (``p2p_timeout``).
+        silence: seconds without a heartbeat after which a rank counts as lost: the trainer passes
+            :func:`silence_limit` of ``p2p_timeout``.
         on_change: called on every live rank with the new live columns when a view takes effect (at a fence);
             it rebuilds the process groups and whatever draws over the replicas.
     """

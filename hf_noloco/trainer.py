@@ -49,7 +49,7 @@ from .comm import PeerError, PeerWatch, group_timeout, wait_collective
 from .config import DataArguments, NoLoCoConfig
 from .export import gather_full_state_dict, save_consensus_checkpoint
 from .hub import check_hub_settings, push_folder_to_hub
-from .membership import Membership, ReplicaDropped
+from .membership import Membership, ReplicaDropped, silence_limit
 from .mesh import PipelineMesh
 from .metrics import perplexity, replica_divergence, squared_norm
 from .outer import OuterOptimizer, broadcast_replica_weights
@@ -210,7 +210,7 @@ class NoLoCoTrainer(Trainer):
                 self.mesh.rank,
                 self.mesh.num_stages,
                 self.mesh.num_replicas,
-                silence=args.p2p_timeout,
+                silence=silence_limit(args.p2p_timeout),
                 on_change=self._on_live_replicas_changed,
             )
         self.add_callback(_RunConfigCallback(self))
