@@ -274,6 +274,14 @@ def summarize_continue(plain: dict, steady: dict, faulty: dict, tokens_per_step:
         "wall_time_vs_uninterrupted_continue_s": faulty["wall_s"] - steady["wall_s"],
         "wall_time_vs_uninterrupted_torchrun_s": faulty["wall_s"] - plain["wall_s"],
         "continue_overhead_uninterrupted_s": steady["wall_s"] - plain["wall_s"],
+        "startup_s_continue_vs_torchrun": [
+            calm["train_begin"] - calm["process_start"],
+            straight["train_begin"] - straight["process_start"],
+        ],
+        "after_training_s_continue_vs_torchrun": [  # evaluation, export-free exit, the store's linger
+            steady["started"] + steady["wall_s"] - calm["train_end"],
+            plain["started"] + plain["wall_s"] - straight["train_end"],
+        ],
         "train_time_per_step_continue_vs_torchrun": normal_step_s
         / ((straight["train_end"] - straight["train_begin"]) / len(straight["step_end"])),
         "final_perplexity": final["eval_perplexity"],

@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 # between two messages (e.g. while the others wait at a fence) is then dropped after 10 s, not after a long
 # p2p_timeout.
 SILENCE_LIMIT = 10.0
+# A rank whose heartbeat has not started yet is still setting up (its trainer is built after the others'):
+# silent only after this long.
+STARTUP_GRACE = 60.0
 
 
 def silence_limit(p2p_timeout: float) -> float:
@@ -124,11 +127,14 @@ class Membership:
     def _watch(self) -> None:
         """Raises the interruption as soon as a newer view is proposed, and proposes one when a live rank's
         heartbeat stops for ``silence`` seconds (a rank killed, frozen or cut off between messages)."""
+        last_check = 0.0
         while not self._stop.wait(self.poll):
             try:
                 if not self.interrupted.is_set() and self._proposal(self.view + 1) is not None:
                     self.interrupted.set()
-                if not self.interrupted.is_set():
+                # Heartbeats move every interval: reading them more often would only load the store.
+                if not self.interrupted.is_set() and time.monotonic() - last_check >= self.watch.interval:
+                    last_check = time.monotonic()
                     silent = self.silent_ranks(self.silence)
                     if silent:
                         self.propose(silent, f"no heartbeat for {self.silence:g}s")
@@ -139,14 +145,17 @@ class Membership:
         """Live ranks (or ``ranks``) whose heartbeat counter has not moved for ``seconds``."""
         now = time.monotonic()
         silent = []
-        for rank in self.live_ranks() if ranks is None else ranks:
-            if rank == self.rank:
-                continue
-            beat = self.store.add(f"{self.watch._prefix}/beat/{rank}", 0)
+        others = [r for r in (self.live_ranks() if ranks is None else ranks) if r != self.rank]
+        keys = [f"{self.watch._prefix}/beat/{rank}" for rank in others]
+        if keys and self.store.check(keys):  # every counter exists: one request reads them all
+            beats = [int(value) for value in self.store.multi_get(keys)]
+        else:  # (get would wait for a missing one) add(0) reads a counter, creating it at 0
+            beats = [self.store.add(key, 0) for key in keys]
+        for rank, beat in zip(others, beats):
             last = self._beats.get(rank)
             if last is None or last[0] != beat:
                 self._beats[rank] = (beat, now)
-            elif now - last[1] >= seconds:
+            elif now - last[1] >= (seconds if beat else max(seconds, STARTUP_GRACE)):
                 silent.append(rank)
         return silent
 

@@ -237,3 +237,60 @@ def test_a_checkpoint_written_after_a_loss_is_refused_for_resume(tmp_path):
         check_mesh_record(str(tmp_path), dict(record, adapter=None))
     (tmp_path / MESH_FILE).write_text(json.dumps(dict(record, adapter=None)))
     check_mesh_record(str(tmp_path), dict(record, adapter=None))  # the same mesh, no loss: accepted
+
+
+class _Watch:
+    """What Membership reads from comm.PeerWatch: the store, the key prefix and the heartbeat interval."""
+
+    def __init__(self, store):
+        self.store, self._prefix, self.interval = store, "hf_noloco/0", 0.05
+
+
+def test_members_agree_on_the_first_proposal_and_a_dropped_rank_leaves():
+    """Three one-stage replicas share a store (threads stand in for processes). Rank 0 and rank 1 propose
+    different next views at once; both adopt the one stored first, at the next fence, and the rank it leaves
+    out raises ReplicaDropped instead of joining: no split brain."""
+    import threading
+
+    import torch.distributed as dist
+
+    from hf_noloco.comm import interrupt_waits_on
+    from hf_noloco.membership import Membership, ReplicaDropped
+
+    store = dist.HashStore()
+    changes, outcome = {0: [], 1: [], 2: []}, {}
+    members = {
+        r: Membership(_Watch(store), r, 1, 3, silence=3600, on_change=changes[r].append, poll=0.01)
+        for r in range(3)
+    }
+    interrupt_waits_on(None)  # the three share this process's comm module: no interruption of real waits here
+    try:
+        for r in range(3):  # view 0: everyone meets at the first fence
+            threading.Thread(target=members[r].fence).start()
+        deadline = time.monotonic() + 10
+        while any(m._fences < 1 for m in members.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(m._fences == 1 for m in members.values())
+        won = members[1].propose([2], "rank 2 lost")  # stored first
+        also = members[0].propose([1], "rank 1 lost")  # too late: rank 0 gets rank 1's proposal back
+        assert won == also and won["live"] == [0, 1]
+
+        def fence(r):
+            try:
+                members[r].fence()
+                outcome[r] = "passed"
+            except ReplicaDropped as exc:
+                outcome[r] = str(exc)
+
+        threads = [threading.Thread(target=fence, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert outcome[0] == outcome[1] == "passed"
+        assert "replica 2 was dropped from the run in view 1" in outcome[2]
+        assert changes[0] == changes[1] == [[0, 1]] and changes[2] == []
+        assert members[0].live == members[1].live == [0, 1] and members[0].view == members[1].view == 1
+    finally:
+        for m in members.values():
+            m.close()
