@@ -99,11 +99,13 @@ def serve_until_idle(store, world_size: int, linger: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    store = host_store(args.port) if args.host_store else None
     command = [sys.executable, args.script, *args.script_args]
     if args.script == "-m":
         command = [sys.executable, "-m", *args.script_args]
+    # The workers first: they import for seconds before they connect (and keep trying until the store is up),
+    # while this process imports torch to host the store.
     procs = [subprocess.Popen(command, env=worker_env(args, stage)) for stage in range(args.stages)]
+    store = host_store(args.port) if args.host_store else None
 
     def forward(signum, frame):
         for p in procs:
