@@ -107,7 +107,10 @@ def post(
     ops = recv_ops + send_ops if receives_first else send_ops + recv_ops
     if not ops:
         return [], []
-    works = dist.batch_isend_irecv(ops)
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as exc:  # gloo: a peer's connection is already closed (it died) when posting
+        raise PeerError(f"posting {_batch_description(sends, recvs, describe_peer)} failed ({exc})") from exc
     if len(works) == len(ops):
         if receives_first:
             recv_works, send_works = works[: len(recvs)], works[len(recvs) :]

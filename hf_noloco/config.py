@@ -780,7 +780,7 @@ def check_replica_loss(c) -> None:
             "the "
             "live replicas."
         )
-    if not c.use_cpu or (c.ddp_backend not in (None, "gloo")):
+    if (not c.use_cpu and torch.cuda.is_available()) or c.ddp_backend not in (None, "gloo"):
         raise ValueError(
             "on_replica_loss='continue' runs on gloo (CPU) only: an NCCL communicator with a lost member "
             "aborts, and survivors cannot keep it."

@@ -1066,7 +1066,10 @@ class NoLoCoTrainer(Trainer):
             dist.barrier()
         self.close_watchers()
         super().end()
-        if dist.is_initialized():
+        # Not after a replica was lost: tearing down groups that hold operations given up on (a wait still
+        # blocked in gloo) aborted the process with "terminate called without an active exception" in 2 of 3
+        # recipe runs; the process exits without it (0 of 2).
+        if dist.is_initialized() and not (self.live is not None and self.live.view > 0):
             dist.destroy_process_group()
 
 

@@ -77,7 +77,7 @@ def test_gossip_groups_among_live_replicas():
         (dict(outer_optimizer="ddp"), "needs outer_optimizer 'noloco' or 'local'"),
         (dict(outer_overlap_steps=1), "outer_overlap_steps"),
         (dict(routing_domain="node"), "routing_domain='global'"),
-        (dict(use_cpu=False), "gloo"),
+        (dict(ddp_backend="nccl"), "gloo"),
         (dict(on_replica_loss="carry-on"), "on_replica_loss"),
     ],
 )
