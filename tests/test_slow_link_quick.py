@@ -104,9 +104,10 @@ def test_ctrl_c_stops_the_nodes_and_deletes_the_namespaces(tmp_path):
     )
     names = {f"hfnl{proc.pid}a", f"hfnl{proc.pid}b"}
     deadline = time.monotonic() + 120
-    # The torchruns (and workers) are up: processes other than the script itself, whose own command line
-    # names tmp_path too (its --output), mention the run's plan under tmp_path.
-    while not set(_processes_mentioning(f"{tmp_path}/")) - {proc.pid}:
+    # The torchruns (and workers) are up: processes mention the run's plan under tmp_path. Not any process
+    # naming tmp_path: a child the script forks (`ip netns ...`) carries the script's own command line (its
+    # --output) until it execs, before the namespaces exist.
+    while not set(_processes_mentioning(f"{tmp_path}/")) & set(_processes_mentioning("plan.json")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
         time.sleep(0.2)
     assert names <= set(_namespaces())
