@@ -108,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     store = host_store(args.port) if args.host_store else None
 
     def forward(signum, frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            p.send_signal(signum)
+        if not running:  # the workers are done: the signal stops the store this launcher serves
+            sys.exit(128 + signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
