@@ -190,6 +190,11 @@ def run_job(plan: dict, work: str, name: str) -> dict:
     wall = time.time() - started
     if code != 0:
         raise RuntimeError(f"{name}: torchrun exited {code}; see {work}/{name}.log")
+    return _job_record(out, started, wall, load_before)
+
+
+def _job_record(out: str, started: float, wall: float, load_before: float, **extra) -> dict:
+    """What a finished job left in ``out``: rank 0's timeline of each attempt and when the victim died."""
     timelines = {}
     for attempt in (1, 2):
         path = os.path.join(out, f"timeline-attempt{attempt}.json")
@@ -204,6 +209,7 @@ def run_job(plan: dict, work: str, name: str) -> dict:
         "wall_s": wall,
         "started": started,
         "load_1min": [load_before, os.getloadavg()[0]],
+        **extra,
         "timelines": timelines,
         "killed": killed,
     }
@@ -236,21 +242,7 @@ def run_columns_job(plan: dict, work: str, name: str) -> dict:
     for proc, log in launches:
         codes.append(proc.wait(timeout=1800))
         log.close()
-    wall = time.time() - started
-    with open(os.path.join(out, "timeline-attempt1.json")) as f:
-        timeline = json.load(f)
-    killed = None
-    if os.path.exists(os.path.join(out, "killed_at.json")):
-        with open(os.path.join(out, "killed_at.json")) as f:
-            killed = json.load(f)
-    return {
-        "wall_s": wall,
-        "started": started,
-        "load_1min": [load_before, os.getloadavg()[0]],
-        "launch_exit_codes": codes,
-        "timelines": {1: timeline},
-        "killed": killed,
-    }
+    return _job_record(out, started, time.time() - started, load_before, launch_exit_codes=codes)
 
 
 def summarize_continue(plain: dict, steady: dict, faulty: dict, tokens_per_step: int) -> dict:

@@ -92,7 +92,6 @@ class Membership:
         self.silence, self.on_change, self.poll = silence, on_change, poll
         self.view = 0
         self.live = list(range(num_replicas))
-        self.lost_steps: list[int] = []  # steps during which a view change was proposed (for the logs)
         self._prefix = f"{watch._prefix}/live"
         self._fences = 0  # fences passed in the current view
         self.interrupted = threading.Event()  # a newer view exists: waits raise, the step goes on offline
@@ -172,7 +171,6 @@ class Membership:
         """Called by a live rank whose communication failed during ``step``: unless a newer view is already
         proposed, finds the ranks whose heartbeat stopped (a killed rank's stops at once: watch a few beats)
         and proposes a view without their columns. The rank is offline afterwards."""
-        self.lost_steps.append(step)
         if isinstance(exc, ViewChange) or self._proposal(self.view + 1) is not None:
             self.interrupted.set()
             return
