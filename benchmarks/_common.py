@@ -61,7 +61,7 @@ def load_corpus(corpus: str, block_size: int, vocab_size: int, max_eval_blocks: 
     import datasets
     from transformers import AutoTokenizer
 
-    from hf_noloco.data import load_splits, pack_dataset, train_bpe_tokenizer
+    from hf_noloco.data.datasets import load_splits, pack_dataset, train_bpe_tokenizer
 
     datasets.disable_progress_bars()
     train_docs, eval_docs = load_splits(corpus, validation_split_percentage=5, seed=42)
@@ -166,7 +166,7 @@ def curves(history: list[dict], tokens_per_step: int, num_stages: int) -> dict:
 def train_history(spec: dict, train, eval_) -> tuple[list[dict], float]:
     """Trains ``spec`` on ``dp * pp`` forked gloo processes; returns rank 0's Trainer log history (the raw
     log: one dict per logging step and per evaluation) and the training wall time in seconds."""
-    from hf_noloco.local_launch import run_distributed
+    from hf_noloco.launch.local_launch import run_distributed
 
     os.environ.setdefault("WANDB_MODE", "disabled")
     world = spec["dp"] * spec["pp"]

@@ -60,7 +60,7 @@ def normalize_arm(name: str, arm: dict) -> dict:
     """An arm with every key present: unset outer hyperparameters of noloco/diloco become the paper's values
     (H, alpha per method; beta 0.7; gamma = beta; pairs), those of ddp/local None; routing defaults to
     sample."""
-    from hf_noloco.config import OuterSettings
+    from hf_noloco.outer.settings import OuterSettings
 
     unknown = set(arm) - set(ARM_KEYS) - {"color", "linestyle", "label"}
     if unknown:
@@ -82,14 +82,14 @@ def normalize_arm(name: str, arm: dict) -> dict:
             outer_lr=arm.get("beta"),
             outer_momentum=arm.get("alpha"),
             outer_averaging=arm.get("gamma"),
-            group_size=arm.get("group", 2),
+            gossip_group_size=arm.get("group", 2),
         )
         out.update(
             H=resolved.inner_steps,
             alpha=resolved.outer_momentum,
             beta=resolved.outer_lr,
             gamma=resolved.outer_averaging,
-            group=resolved.group_size if method == "noloco" else None,
+            group=resolved.gossip_group_size if method == "noloco" else None,
         )
     else:
         given = [k for k in OUTER_KEYS if arm.get(k) is not None]

@@ -85,9 +85,9 @@ def worker(plan_path: str) -> None:
     from transformers import LlamaConfig, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
 
-    from hf_noloco import elastic
+    from hf_noloco.resilience import elastic
     from hf_noloco.config import NoLoCoConfig
-    from hf_noloco.membership import ReplicaDropped
+    from hf_noloco.resilience.membership import ReplicaDropped
     from hf_noloco.trainer import NoLoCoTrainer
 
     with open(plan_path) as f:
@@ -218,7 +218,7 @@ def _job_record(out: str, started: float, wall: float, load_before: float, **ext
 def run_columns_job(plan: dict, work: str, name: str) -> dict:
     """One on_replica_loss="continue" run: a ``hf_noloco.column_launch`` per replica column (column 0 hosts
     the store); returns its wall time, the launches' exit statuses and rank 0's timeline."""
-    from hf_noloco.local_launch import free_port
+    from hf_noloco.launch.local_launch import free_port
 
     out = os.path.join(work, name)
     os.makedirs(out)

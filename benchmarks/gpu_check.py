@@ -197,7 +197,7 @@ def multi_process_checks(device: str, nproc: int, out: str) -> list[tuple[str, b
         rows.append(("pp=2 1f1b with large messages completes", False, done.stderr[-1500:]))
     # Plain processes, no launcher agent (which would stop the survivors itself): their own waits must find
     # the dead peer and say which it is.
-    from hf_noloco.local_launch import free_port
+    from hf_noloco.launch.local_launch import free_port
 
     port, start, procs = free_port(), time.monotonic(), []
     for rank in range(nproc):

@@ -163,7 +163,7 @@ def fit_table(offload: bool) -> dict:
     pairs), and that stage's predicted peak."""
     from transformers import AutoConfig
 
-    from hf_noloco.memory import estimate_peak_memory
+    from hf_noloco.estimate.memory import estimate_peak_memory
 
     table = {}
     for name, model in TABLE_MODELS.items():
@@ -194,7 +194,7 @@ def table_markdown(table: dict) -> str:
 def predict(case) -> dict:
     from transformers import AutoConfig
 
-    from hf_noloco.memory import estimate_stage_memory
+    from hf_noloco.estimate.memory import estimate_stage_memory
 
     config = AutoConfig.for_model(**case["model"])
     estimate = estimate_stage_memory(
@@ -241,11 +241,11 @@ class StageRun:
         import torch.distributed as dist
         from transformers import AutoConfig
 
-        from hf_noloco.config import OuterSettings
-        from hf_noloco.local_launch import free_port
-        from hf_noloco.mesh import PipelineMesh
-        from hf_noloco.outer import OuterOptimizer
-        from hf_noloco.partition import build_stage
+        from hf_noloco.outer.settings import OuterSettings
+        from hf_noloco.launch.local_launch import free_port
+        from hf_noloco.engine.mesh import PipelineMesh
+        from hf_noloco.outer.optimizer import OuterOptimizer
+        from hf_noloco.engine.loading import build_stage
 
         self.case, self.device = case, torch.device(device)
         self.config = AutoConfig.for_model(**case["model"])
@@ -273,8 +273,8 @@ class StageRun:
         """One step's forwards and backwards, in the stage's schedule order; returns the tokens processed."""
         import torch
 
-        from hf_noloco.partition import next_token_losses, target_token_count
-        from hf_noloco.pipeline import pipeline_order
+        from hf_noloco.engine.losses import next_token_losses, target_token_count
+        from hf_noloco.engine.pipeline import pipeline_order
 
         case, stage, g, dev = self.case, self.stage, self.generator, self.device
         micro, seq = case["micro"], case["seq"]
@@ -308,7 +308,7 @@ class StageRun:
         import torch
 
         tokens = self.forward_backward()
-        from hf_noloco.metrics import squared_norm
+        from hf_noloco.engine.buffers import squared_norm
 
         norm = sum(squared_norm(p.grad) for p in self.params).sqrt()  # as the trainer computes it
         scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
@@ -331,9 +331,9 @@ def measure(case) -> dict:
     import torch.distributed
     import transformers  # noqa: F401
 
-    import hf_noloco.outer
-    import hf_noloco.partition
-    import hf_noloco.pipeline  # noqa: F401
+    import hf_noloco.engine.loading
+    import hf_noloco.engine.pipeline
+    import hf_noloco.outer.optimizer  # noqa: F401
 
     torch.set_num_threads(1)
     baseline = _status("VmRSS")

@@ -23,10 +23,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from hf_noloco.config import OuterSettings
-from hf_noloco.local_launch import run_distributed
-from hf_noloco.mesh import PipelineMesh
-from hf_noloco.outer import OuterOptimizer
+from hf_noloco.outer.settings import OuterSettings
+from hf_noloco.launch.local_launch import run_distributed
+from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.outer.optimizer import OuterOptimizer
 
 METHODS = [  # label, method, outer_dtype
     ("noloco fp32", "noloco", "float32"),
@@ -47,7 +47,7 @@ def _measure(numel: int, repeats: int) -> dict:
             torch.optim.SGD(params, lr=0.0),
             params,
             mesh,
-            OuterSettings(method, inner_steps=1, dtype=dtype, seed=0),
+            OuterSettings(method, inner_steps=1, outer_dtype=dtype, routing_seed=0),
         )
         opt.outer_step()  # warm-up: connections, allocations
         sent0, received0 = opt.bytes_sent, opt.bytes_received

@@ -115,7 +115,7 @@ def _train_worker(spec: dict, train, eval_, out_dir: str):
 
 
 def train_run(spec: dict, train, eval_) -> dict:
-    from hf_noloco.local_launch import run_distributed
+    from hf_noloco.launch.local_launch import run_distributed
 
     os.environ.setdefault("WANDB_MODE", "disabled")
     with tempfile.TemporaryDirectory() as out_dir:

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from hf_noloco.traffic import LLAMA_3_8B
+from hf_noloco.estimate.traffic import LLAMA_3_8B
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -136,20 +136,20 @@ def configurations(setting: dict) -> list[dict]:
 
 
 def outer_settings(setting: dict, run: dict):
-    from hf_noloco.config import OuterSettings
+    from hf_noloco.outer.settings import OuterSettings
 
     if run["method"] in ("ddp", "local"):
         return OuterSettings(run["method"])
     tau = setting["overlap_steps"] if run["overlap"] else 0
     return OuterSettings(
-        run["method"], setting["inner_steps"], overlap_steps=tau, seed=0, dtype=run.get("dtype", "float32")
+        run["method"], setting["inner_steps"], outer_overlap_steps=tau, routing_seed=0, outer_dtype=run.get("dtype", "float32")
     )
 
 
 def predicted_traffic(setting: dict, run: dict, first_step: int | None = None, steps: int = 0):
     """The traffic model's bytes for ``run``: expected, or with ``first_step`` the router's real draws for the
     samples of steps ``first_step .. first_step + steps - 1`` (what a measured window trained)."""
-    from hf_noloco.traffic import step_traffic
+    from hf_noloco.estimate.traffic import step_traffic
 
     rows = setting["rows"]
     keys = None
@@ -176,7 +176,7 @@ def predicted_traffic(setting: dict, run: dict, first_step: int | None = None, s
 
 def reference_step_seconds(reference: dict = REFERENCE_8B) -> float:
     """Compute time of one 8B pipeline step (see REFERENCE_8B)."""
-    from hf_noloco.traffic import stage_parameter_counts
+    from hf_noloco.estimate.traffic import stage_parameter_counts
 
     m = reference["model"]
     params = sum(stage_parameter_counts(m, reference["pp"]))
@@ -193,8 +193,8 @@ def reference_step_seconds(reference: dict = REFERENCE_8B) -> float:
 def reference_node_bytes_per_step(reference: dict = REFERENCE_8B) -> float:
     """Bytes per step that leave a node of the 8B reference under NoLoCo with node routing (the outer
     sync)."""
-    from hf_noloco.config import OuterSettings
-    from hf_noloco.traffic import step_traffic
+    from hf_noloco.outer.settings import OuterSettings
+    from hf_noloco.estimate.traffic import step_traffic
 
     traffic = step_traffic(
         reference["model"],
@@ -333,11 +333,11 @@ def _worker(plan_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hf_noloco.mesh import PipelineMesh
-    from hf_noloco.outer import OuterOptimizer
-    from hf_noloco.partition import build_stage
-    from hf_noloco.pipeline import PipelineEngine
-    from hf_noloco.routing import Router
+    from hf_noloco.engine.mesh import PipelineMesh
+    from hf_noloco.outer.optimizer import OuterOptimizer
+    from hf_noloco.engine.loading import build_stage
+    from hf_noloco.engine.pipeline import PipelineEngine
+    from hf_noloco.engine.routing import Router
 
     with open(plan_path) as f:
         plan = json.load(f)
@@ -684,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = configurations(setting)
     started = time.time()
     measured = launch(setting, runs, args.timeout if not args.quick else 600)
-    from hf_noloco.traffic import record_bytes_per_row  # noqa: F401 - the model used below
+    from hf_noloco.estimate.traffic import record_bytes_per_row  # noqa: F401 - the model used below
 
     result = dict(
         mode=mode,

@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from hf_noloco.local_launch import run_distributed
+from hf_noloco.launch.local_launch import run_distributed
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BLOCK = 32

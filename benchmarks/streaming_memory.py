@@ -220,7 +220,7 @@ def measure(corpus: str, tokenizer_dir: str, mode: str, cache: str) -> dict:
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer, default_data_collator
 
-    from hf_noloco import data
+    from hf_noloco.data import datasets as data
 
     datasets.disable_progress_bars()
     datasets.config.HF_DATASETS_CACHE = cache
@@ -289,7 +289,7 @@ def main() -> None:
     output = args.output or os.path.join(
         RESULTS, "streaming_memory_quick.json" if args.quick else "streaming_memory.json"
     )
-    from hf_noloco.data import train_bpe_tokenizer
+    from hf_noloco.data.datasets import train_bpe_tokenizer
 
     runs = []
     with tempfile.TemporaryDirectory() as work:

@@ -20,7 +20,8 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from hf_noloco.partition import build_stage, next_token_losses, target_token_count
+from hf_noloco.engine.loading import build_stage
+from hf_noloco.engine.losses import next_token_losses, target_token_count
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "torch_compile.json")
 

@@ -1,18 +1,33 @@
-"""NoLoCo (no-all-reduce low-communication training) for Hugging Face transformers."""
+"""NoLoCo (no-all-reduce low-communication training) for Hugging Face transformers.
+
+The public names, imported on first use (so that ``python -m hf_noloco.column_launch`` and the other
+command-line modules start without loading torch and transformers first):
+
+- :class:`NoLoCoConfig`, :class:`NoLoCoTrainer`: the Trainer and its ``TrainingArguments``;
+- :class:`ModelArguments`, :class:`DataArguments`: what ``hf-noloco-train`` adds (which model, which data);
+- :func:`prepare_datasets`, :func:`prepare_streams`, :func:`datasets_from_args`: a run's training and
+  evaluation sets;
+- :func:`lora_config`: a ``peft.LoraConfig`` from TRL's option names.
+"""
 
 __version__ = "0.1.0"
-__all__ = ["NoLoCoConfig", "NoLoCoTrainer", "__version__"]
+
+_PUBLIC = {
+    "NoLoCoConfig": "hf_noloco.config",
+    "NoLoCoTrainer": "hf_noloco.trainer",
+    "ModelArguments": "hf_noloco.launch.arguments",
+    "DataArguments": "hf_noloco.launch.arguments",
+    "prepare_datasets": "hf_noloco.data.datasets",
+    "prepare_streams": "hf_noloco.data.datasets",
+    "datasets_from_args": "hf_noloco.data.datasets",
+    "lora_config": "hf_noloco.adapters",
+}
+__all__ = [*_PUBLIC, "__version__"]
 
 
 def __getattr__(name: str):
-    # Imported on first use: `python -m hf_noloco.column_launch` (and the other command-line modules) then
-    # start without loading torch and transformers first.
-    if name == "NoLoCoConfig":
-        from .config import NoLoCoConfig
+    if name in _PUBLIC:
+        import importlib
 
-        return NoLoCoConfig
-    if name == "NoLoCoTrainer":
-        from .trainer import NoLoCoTrainer
-
-        return NoLoCoTrainer
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'hf_noloco' has no attribute {name!r}")

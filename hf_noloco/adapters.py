@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import flatten, unflatten_into
-from .config import PEFT_INSTALL_HINT, check_export_replica, check_lora_settings
-from .export import save_from_this_rank
+from hf_noloco.engine.buffers import flatten, unflatten_into
+from hf_noloco.io.export import save_from_this_rank
+from hf_noloco.rules import PEFT_INSTALL_HINT, check_export_replica, check_lora_values
 
 ADAPTER_NAME = "default"
 ALL_LINEAR = "all-linear"
@@ -36,16 +36,22 @@ def _peft():
     try:
         import peft
     except ImportError:
-        raise ImportError(
-            f"LoRA needs the PEFT library, an optional dependency: {PEFT_INSTALL_HINT}."
-        ) from None
+        raise ImportError(f"LoRA needs the PEFT library, an optional dependency: {PEFT_INSTALL_HINT}.") from None
     return peft
+
+
+def require_peft() -> None:
+    """Refuses LoRA settings, before anything else, where PEFT is not installed."""
+    try:
+        _peft()
+    except ImportError as exc:
+        raise ValueError(f"use_peft: {exc}") from None
 
 
 def lora_config(r: int = 16, alpha: float = 32, dropout: float = 0.05, target_modules=None):
     """A ``peft.LoraConfig`` for a causal LM (TRL's ``ModelConfig`` option names: ``lora_r``, ``lora_alpha``,
     ``lora_dropout``, ``lora_target_modules``)."""
-    check_lora_settings(r, alpha, dropout, target_modules)
+    check_lora_values(r, alpha, dropout, target_modules)
     targets = target_modules
     if targets is not None and list(targets) == [ALL_LINEAR]:
         targets = ALL_LINEAR

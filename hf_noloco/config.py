@@ -1,442 +1,61 @@
-"""Every setting of a NoLoCo run: its allowed values, its paper default and its check, each written once.
+"""NoLoCoConfig: ``TrainingArguments`` plus the pipeline, routing and outer-optimizer settings, and its check.
 
-- :class:`NoLoCoConfig`: ``TrainingArguments`` plus the pipeline, routing and outer-optimizer settings.
-- :class:`ModelArguments`, :class:`DataArguments`: what ``hf-noloco-train`` adds (which model, which text).
-- :class:`OuterSettings`: the outer optimizer's settings, resolved (paper defaults filled in) and checked,
-  as the engine receives them.
-
-Settings flow one way: this module imports no part of the engine. The engine imports the allowed values and
-the check functions from here, so a direct Python user of ``PipelineEngine`` or ``OuterOptimizer`` gets the
-same error, from the same line, as a recipe user. A field's ``--help`` text is its entry in the class
-docstring (:func:`_help_from_docstring`): one text, two places to read it.
+Every ``None`` default is resolved once, in ``__post_init__``, and read from the field afterwards. The allowed
+values and the rules behind the checks live in :mod:`hf_noloco.rules`, which the engine imports too, so a
+recipe user and a direct Python user of the engine get the same error. The process group is joined where
+``TrainingArguments`` joins it, when its device is first set up (:meth:`NoLoCoConfig._setup_devices`), and
+every check runs before that, so a bad setting fails on every rank alike without waiting for a peer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
-import math
 import os
-import re
-import types
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from functools import cached_property
 
 import torch
 from transformers import TrainingArguments
 
-from .elastic import join_restartable_group
-
-# ----------------------------------------------------------------------------------------------------------
-# Allowed values
-# ----------------------------------------------------------------------------------------------------------
-
-Routing = Literal["sample", "step", "fixed"]
-RoutingDomain = Literal["global", "node"]
-PipelineSchedule = Literal["1f1b", "gpipe"]
-StageBalance = Literal["layers", "compute"]
-OuterMethod = Literal["noloco", "diloco", "ddp", "local"]
-OuterDtype = Literal["float32", "bfloat16"]
-NonfiniteAction = Literal["error", "skip"]
-ReplicaLossAction = Literal["stop", "continue"]
-
-ROUTINGS: tuple[str, ...] = get_args(Routing)
-ROUTING_DOMAINS: tuple[str, ...] = get_args(RoutingDomain)
-PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
-STAGE_BALANCES: tuple[str, ...] = get_args(StageBalance)
-OUTER_METHODS: tuple[str, ...] = get_args(OuterMethod)
-OUTER_DTYPES: tuple[str, ...] = get_args(OuterDtype)
-NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonfiniteAction)
-REPLICA_LOSS_ACTIONS: tuple[str, ...] = get_args(ReplicaLossAction)
-
-# The weights' dtype (TRL's `dtype`): no float16 without loss scaling; "auto" is the checkpoint's own.
-WeightDtype = Literal["float32", "bfloat16", "auto"]
-ExportDtype = Literal["float32", "bfloat16"]
-AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
-WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
-EXPORT_DTYPES: tuple[str, ...] = get_args(ExportDtype)
-ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
-# What model_init_kwargs may hold: the keys TRL scripts put there from ModelConfig.
-MODEL_INIT_KEYS = ("dtype", "attn_implementation", "revision", "trust_remote_code")
-
-# Methods with an outer step every `inner_steps` (ddp and local have no outer hyperparameters).
-OUTER_STEP_METHODS = ("noloco", "diloco")
-
-# The paper's defaults (Section 4). gamma (outer_averaging) is not stated in the paper; the official code uses
-# gamma = beta, written here as None and resolved to outer_lr.
-PAPER_DEFAULTS: dict[str, dict[str, float | int | None]] = {
-    "noloco": {"inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.5},
-    "diloco": {"inner_steps": 100, "outer_lr": 0.7, "outer_momentum": 0.3},
-}
+from hf_noloco.outer.settings import OuterSettings
+from hf_noloco.resilience.elastic import join_restartable_group
+from hf_noloco.rules import (
+    EXPORT_DTYPES,
+    NONFINITE_ACTIONS,
+    PIPELINE_SCHEDULES,
+    REPLICA_LOSS_ACTIONS,
+    ROUTING_DOMAINS,
+    ROUTINGS,
+    STAGE_BALANCES,
+    ExportDtype,
+    NonfiniteAction,
+    OuterDtype,
+    OuterMethod,
+    PipelineSchedule,
+    ReplicaLossAction,
+    Routing,
+    RoutingDomain,
+    StageBalance,
+    check_choice,
+    check_export_replica,
+    check_microbatch_size,
+    check_model_init_kwargs,
+    check_positive_int,
+    check_stage_boundaries,
+    default_microbatch_size,
+    help_from_docstring,
+    mesh_shape,
+    routing_group_size,
+)
 
 # NCCL's default error handling (1: tear down) kills the process within ~100 ms of a failed or timed-out
 # operation, before a NoLoCo rank can find and name the lost peer. 2 (clean up only) aborts the communicator
 # and raises in the waiting rank instead; a value already set by the user is kept.
 NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
-BUILTIN_DATASET = "builtin:python-docs"
-DATA_FILE_EXTENSIONS = (".txt", ".json", ".jsonl", ".parquet")
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Checks shared by the settings and the engine
-# ----------------------------------------------------------------------------------------------------------
-
-
-def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}.")
-
-
-def check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-
-
-def mesh_shape(world_size: int, pipeline_stages: int) -> tuple[int, int]:
-    """``(num_replicas, num_stages)`` for ``world_size`` processes, or a clear error."""
-    check_positive_int("pipeline_stages", pipeline_stages)
-    if world_size % pipeline_stages:
-        raise ValueError(
-            f"The world size ({world_size} processes) is not divisible by pipeline_stages={pipeline_stages}: "
-            f"launch a multiple of {pipeline_stages} processes (num_replicas x pipeline_stages)."
-        )
-    return world_size // pipeline_stages, pipeline_stages
-
-
-def check_stage_boundaries(boundaries, num_stages: int, num_layers: int | None = None) -> None:
-    """``boundaries`` lists the first decoder layer of stages 1..num_stages-1; with ``num_layers``, also
-    checks
-    that every stage gets at least one layer."""
-    if boundaries is None:
-        return
-    if len(boundaries) != num_stages - 1:
-        raise ValueError(
-            f"stage_boundaries must list the first layer of stages 1..{num_stages - 1} "
-            f"({num_stages - 1} numbers), got {list(boundaries)}."
-        )
-    if num_layers is None:
-        return
-    starts = [0, *boundaries]
-    if any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= num_layers:
-        raise ValueError(
-            f"stage_boundaries {list(boundaries)} do not split layers 0..{num_layers - 1} into {num_stages} "
-            "non-empty stages: they must be strictly increasing, above 0 and below the layer count."
-        )
-
-
-def check_microbatch_size(rows: int, microbatch_size: int, what: str = "per_device_train_batch_size") -> None:
-    check_positive_int("microbatch_size", microbatch_size)
-    if rows % microbatch_size:
-        raise ValueError(f"{what} has {rows} rows, not a multiple of microbatch_size={microbatch_size}.")
-
-
-def check_export_replica(replica: int | None, num_replicas: int) -> None:
-    if replica is not None and not 0 <= replica < num_replicas:
-        raise ValueError(f"export_replica must be in [0, {num_replicas}), got {replica}.")
-
-
-PEFT_INSTALL_HINT = "pip install 'hf-noloco[peft]'"
-
-
-def check_lora_settings(r, alpha, dropout, target_modules) -> None:
-    """LoRA's settings, and that PEFT is installed (an optional dependency)."""
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"lora_r must be a positive integer, got {r!r}.")
-    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0):
-        raise ValueError(f"lora_alpha must be a positive number, got {alpha!r}.")
-    if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
-        raise ValueError(f"lora_dropout must be in [0, 1), got {dropout!r}.")
-    if target_modules is not None and (
-        isinstance(target_modules, str)
-        or not target_modules
-        or not all(isinstance(t, str) and t for t in target_modules)
-    ):
-        raise ValueError(
-            f"lora_target_modules must be a non-empty list of module names (or ['all-linear']), got "
-            f"{target_modules!r}."
-        )
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise ValueError(
-            f"use_peft needs the PEFT library, an optional dependency: {PEFT_INSTALL_HINT}."
-        ) from None
-
-
-def check_model_init_kwargs(kwargs) -> dict:
-    """``model_init_kwargs`` as a checked dict (a JSON string is parsed): only :data:`MODEL_INIT_KEYS`, each
-    with an allowed value. ``flash_attention_2`` is refused where the ``flash_attn`` package is not
-    installed."""
-    if kwargs is None:
-        return {}
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except json.JSONDecodeError:
-            kwargs = None
-    if not isinstance(kwargs, dict):
-        raise ValueError(
-            f'model_init_kwargs must be a mapping such as {{"dtype": "bfloat16"}}, got {kwargs!r}.'
-        )
-    unknown = sorted(set(kwargs) - set(MODEL_INIT_KEYS))
-    if unknown:
-        raise ValueError(
-            f"model_init_kwargs: unsupported key {unknown[0]!r}; the keys are {', '.join(MODEL_INIT_KEYS)}."
-        )
-    dtype = kwargs.get("dtype")
-    if dtype is not None:
-        dtype = str(dtype).removeprefix("torch.")
-        if dtype in ("float16", "half"):
-            raise ValueError(
-                "dtype float16 is not supported (the pipeline has no loss scaling): use bfloat16 instead."
-            )
-        check_choice("dtype", dtype, WEIGHT_DTYPES)
-    attn = kwargs.get("attn_implementation")
-    if attn is not None:
-        check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
-        if attn == "flash_attention_2":
-            from transformers.utils import is_flash_attn_2_available
-
-            if not is_flash_attn_2_available():
-                raise ValueError(
-                    "attn_implementation flash_attention_2 needs the flash_attn package and a GPU it "
-                    "supports (pip install flash-attn); use sdpa (the default) otherwise."
-                )
-    revision = kwargs.get("revision")
-    if revision is not None and (not isinstance(revision, str) or not revision):
-        raise ValueError(f"model_revision must be a branch, tag or commit name, got {revision!r}.")
-    trust = kwargs.get("trust_remote_code", False)
-    if not isinstance(trust, bool):
-        raise ValueError(f"trust_remote_code must be true or false, got {trust!r}.")
-    return {**kwargs, **({"dtype": dtype} if dtype is not None else {})}
-
-
-def processes_per_node() -> int:
-    """Processes this launch runs on each node: ``LOCAL_WORLD_SIZE`` (set by torchrun and accelerate), or the
-    whole world when it is unset (a single-machine launch)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-
-
-def routing_group_size(
-    domain: str,
-    group_size: int | None,
-    num_replicas: int,
-    pipeline_stages: int,
-    procs_per_node: int | None = None,
-) -> int:
-    """Replicas per routing group: all of them (``global``), or those whose replica columns share a node
-    (``node``): ``group_size`` if given, else ``procs_per_node // pipeline_stages``. Ranks are
-    ``replica * pipeline_stages + stage`` and a node holds consecutive ranks, so the replicas of one node are
-    consecutive and their whole columns sit on it exactly when ``pipeline_stages`` divides the processes per
-    node."""
-    check_choice("routing_domain", domain, ROUTING_DOMAINS)
-    if group_size is not None:
-        if domain != "node":
-            raise ValueError(
-                f"routing_group_size={group_size} only applies to routing_domain='node' (got {domain!r})."
-            )
-        check_positive_int("routing_group_size", group_size)
-    if domain == "global":
-        return num_replicas
-    if group_size is None:
-        procs_per_node = processes_per_node() if procs_per_node is None else procs_per_node
-        if procs_per_node % pipeline_stages:
-            raise ValueError(
-                f"routing_domain='node' needs every replica column on one node, but pipeline_stages="
-                f"{pipeline_stages} does not divide the {procs_per_node} processes per node: launch a "
-                "multiple of pipeline_stages per node, or set routing_group_size explicitly."
-            )
-        group_size = max(procs_per_node // pipeline_stages, 1)
-        group_size = min(group_size, num_replicas)
-    if num_replicas % group_size:
-        raise ValueError(
-            f"routing_group_size={group_size} does not divide the {num_replicas} replicas per stage."
-        )
-    return group_size
-
-
-def is_local_dataset_path(name: str) -> bool:
-    """Whether ``dataset_name`` means local files. Hub names are ``name`` or ``owner/name``; anything with a
-    file extension we read, or that starts like a filesystem path, is local, and must then exist (never fall
-    through
-    to the Hub)."""
-    return (
-        os.path.exists(os.path.expanduser(name))
-        or name.startswith(("/", ".", "~"))
-        or os.path.splitext(name)[1].lower() in DATA_FILE_EXTENSIONS
-        or name.count("/") > 1
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Outer optimizer
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OuterSettings:
-    """The outer optimizer's settings as :class:`~hf_noloco.outer.OuterOptimizer` receives them.
-
-    ``None`` hyperparameters become the paper's default for ``method`` (gamma: equal to beta), then every
-    value is checked. ``ddp`` and ``local`` have no outer step: their hyperparameters stay ``None`` and are
-    unused. Ranges: ``inner_steps`` >= 1; ``0 < outer_lr <= 2`` and ``0 <= outer_averaging <= 2`` (above 2 a
-    pull towards the group mean overshoots by more than the distance it closes, so replicas drift apart);
-    ``0 <= outer_momentum < 1`` (heavy-ball momentum of 1 or more never forgets).
-
-    Attributes:
-        method: ``"noloco"``, ``"diloco"``, ``"ddp"`` or ``"local"``.
-        inner_steps, outer_lr, outer_momentum, outer_averaging: H, beta, alpha, gamma.
-        group_size: n, replicas averaged together at a noloco outer step (2: pairs).
-        dtype: what crosses the network at an outer step (``"bfloat16"`` halves the bytes; the outer state
-            itself stays float32).
-        offload: keep the slow weights and the momentum on the CPU.
-        seed: shared by every rank; draws the gossip groups.
-        overlap_steps: tau, inner steps that run while an outer step's exchange is in flight (0: the exchange
-            blocks, as without overlap). In [0, inner_steps]; noloco and diloco only.
-    """
-
-    method: OuterMethod = "noloco"
-    inner_steps: int | None = None
-    outer_lr: float | None = None
-    outer_momentum: float | None = None
-    outer_averaging: float | None = None
-    group_size: int = 2
-    dtype: OuterDtype = "float32"
-    offload: bool = False
-    seed: int = 0
-    overlap_steps: int = 0
-
-    def __post_init__(self):
-        check_choice("outer_optimizer", self.method, OUTER_METHODS)
-        check_choice("outer_dtype", self.dtype, OUTER_DTYPES)
-        if isinstance(self.overlap_steps, bool) or not isinstance(self.overlap_steps, int):
-            raise ValueError(f"outer_overlap_steps must be an integer, got {self.overlap_steps!r}.")
-        if not self.has_outer_step:
-            if self.overlap_steps:
-                raise ValueError(
-                    f"outer_overlap_steps={self.overlap_steps} needs an outer step to overlap: it applies to "
-                    f"outer_optimizer 'noloco' and 'diloco', not {self.method!r}."
-                )
-            return
-        if self.method != "noloco" and self.outer_averaging is not None:
-            raise ValueError("outer_averaging (gamma) only applies to outer_optimizer='noloco'.")
-        defaults = PAPER_DEFAULTS[self.method]
-        for name, default in defaults.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
-        if self.method == "noloco" and self.outer_averaging is None:
-            object.__setattr__(self, "outer_averaging", self.outer_lr)
-        if (
-            isinstance(self.inner_steps, bool)
-            or not isinstance(self.inner_steps, int)
-            or self.inner_steps < 1
-        ):
-            raise ValueError(
-                "inner_steps (H, inner steps per outer step) must be a positive integer, got "
-                f"{self.inner_steps!r}."
-            )
-        if not 0 <= self.overlap_steps <= self.inner_steps:
-            raise ValueError(
-                f"outer_overlap_steps (tau) must be in [0, inner_steps={self.inner_steps}]: an outer step's "
-                f"exchange must end before the next one starts, got {self.overlap_steps}."
-            )
-        if not (math.isfinite(self.outer_lr) and 0 < self.outer_lr <= 2):
-            raise ValueError(
-                f"outer_lr (beta) must be in (0, 2], got {self.outer_lr!r} (the paper uses 0.7)."
-            )
-        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
-            raise ValueError(
-                f"outer_momentum (alpha) must be in [0, 1), got {self.outer_momentum!r} "
-                f"(the paper uses {defaults['outer_momentum']})."
-            )
-        if self.method == "noloco":
-            if not (math.isfinite(self.outer_averaging) and 0 <= self.outer_averaging <= 2):
-                raise ValueError(
-                    f"outer_averaging (gamma) must be in [0, 2], got {self.outer_averaging!r} "
-                    "(the official code uses gamma = outer_lr)."
-                )
-            if (
-                isinstance(self.group_size, bool)
-                or not isinstance(self.group_size, int)
-                or self.group_size < 2
-            ):
-                raise ValueError(
-                    "gossip_group_size must be an integer >= 2 (a replica and at least one partner), "
-                    f"got {self.group_size!r}."
-                )
-
-    @property
-    def has_outer_step(self) -> bool:
-        return self.method in OUTER_STEP_METHODS
-
-    @property
-    def sends_slow_weights(self) -> bool:
-        """With gamma == beta the slow weights cancel out of the update: only fast weights travel."""
-        return self.method == "noloco" and self.outer_averaging != self.outer_lr
-
-    def check_replicas(self, num_replicas: int) -> None:
-        """Refuses a mesh this method cannot run on."""
-        if self.method != "noloco":
-            return
-        if num_replicas < 2:
-            raise ValueError(
-                "outer method 'noloco' needs at least 2 replicas per stage: with a single replica there is "
-                "no "
-                "partner to average with. Use outer_optimizer='local' (no sync) instead, or launch more "
-                "processes."
-            )
-        if self.group_size > num_replicas:
-            raise ValueError(
-                f"gossip_group_size={self.group_size} is larger than the {num_replicas} replicas per stage: "
-                "use "
-                f"at most {num_replicas}."
-            )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Help texts from docstrings
-# ----------------------------------------------------------------------------------------------------------
-
-_DOC_ENTRY = re.compile(r"^(\w+) \(.*\):$")
-
-
-def docstring_entries(doc: str) -> dict[str, str]:
-    """``{name: description}`` of a docstring's ``Parameters:`` entries (``name (`type`, ...):`` then an
-    indented
-    description), each description joined into one paragraph."""
-    entries: dict[str, str] = {}
-    name, indent = None, 0
-    for line in inspect.cleandoc(doc or "").splitlines():
-        stripped = line.strip()
-        match = _DOC_ENTRY.match(stripped)
-        if match:
-            name, indent = match.group(1), len(line) - len(line.lstrip())
-            entries[name] = ""
-        elif name is not None and stripped and len(line) - len(line.lstrip()) > indent:
-            entries[name] = f"{entries[name]} {stripped}".strip()
-        elif stripped:
-            name = None
-    return entries
-
-
-def _help_from_docstring(cls):
-    """Gives every field documented in ``cls``'s docstring that entry as its ``--help`` text."""
-    entries = docstring_entries(cls.__doc__)
-    for f in dataclasses.fields(cls):
-        if f.name in entries and f.name in cls.__annotations__:  # fields declared here, not inherited ones
-            f.metadata = types.MappingProxyType({**f.metadata, "help": entries[f.name]})
-    return cls
-
-
-# ----------------------------------------------------------------------------------------------------------
-# NoLoCoConfig
-# ----------------------------------------------------------------------------------------------------------
-
-
-@_help_from_docstring
+@help_from_docstring
 @dataclass
 class NoLoCoConfig(TrainingArguments):
     r"""
@@ -635,54 +254,47 @@ class NoLoCoConfig(TrainingArguments):
             # Accelerate only picks the gloo (MULTI_CPU) path when told to use the CPU; on a machine without
             # a GPU, launch configs written for GPUs must still work as written.
             self.use_cpu = True
-        # Checked first: TrainingArguments.__post_init__ joins the process group when launched, and a bad
-        # setting must fail before that, on every rank alike.
-        check_config(self)
         self.model_init_kwargs = check_model_init_kwargs(self.model_init_kwargs)
-        for name, value in NCCL_ENVIRONMENT.items():  # read when the NCCL group is made, just below
-            os.environ.setdefault(name, value)
-        if self.routing_seed is None:
-            self.routing_seed = self.seed
-        self.ddp_timeout = max(int(self.ddp_timeout), int(self.p2p_timeout))
-        # Under torchrun/accelerate with --max-restarts, each attempt joins a process group of its own
-        # (elastic.py says why); Accelerate then keeps that group.
-        join_restartable_group(self.ddp_backend or ("gloo" if self.use_cpu else "nccl"), self.ddp_timeout)
+        # Checked first: TrainingArguments.__post_init__ joins the process group when launched (it sets up the
+        # device), and a bad setting must fail before that, on every rank alike.
+        check_config(self)
+        self._resolve_defaults()
         super().__post_init__()
 
-    @property
+    def _resolve_defaults(self) -> None:
+        """Every ``None`` default becomes its value here, once; the rest of the package reads the fields."""
+        if self.routing_seed is None:
+            self.routing_seed = self.seed
+        if self.microbatch_size is None:
+            self.microbatch_size = default_microbatch_size(self.per_device_train_batch_size, self.pipeline_stages)
+        if self.routing_domain == "node" and self.routing_group_size is None:
+            num_replicas, _ = mesh_shape(_world_size(), self.pipeline_stages)
+            self.routing_group_size = routing_group_size("node", None, num_replicas, self.pipeline_stages)
+        settings = OuterSettings.of(self)
+        if settings.has_outer_step:
+            for name, value in settings.resolved_fields().items():
+                setattr(self, name, value)
+        self.ddp_timeout = max(int(self.ddp_timeout), int(self.p2p_timeout))
+
+    @cached_property
     def outer_settings(self) -> OuterSettings:
-        """The outer optimizer's settings, the paper's defaults filled in."""
-        return outer_settings_of(self)
+        """The outer optimizer's settings, as :class:`~hf_noloco.outer.optimizer.OuterOptimizer` takes them."""
+        return OuterSettings.of(self)
 
-    def resolved_routing_group_size(self, num_replicas: int) -> int:
-        """Replicas per routing group for this launch (see ``routing_domain``)."""
-        return routing_group_size(
-            self.routing_domain, self.routing_group_size, num_replicas, self.pipeline_stages
-        )
-
-    def resolved_microbatch_size(self) -> int:
-        if self.microbatch_size is not None:
-            return self.microbatch_size
-        batch = self.per_device_train_batch_size
-        wanted = 2 * self.pipeline_stages if self.pipeline_stages > 1 else 1
-        divisors = [m for m in range(batch, 0, -1) if batch % m == 0 and batch // m >= wanted]
-        return divisors[0] if divisors else 1
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        # TrainingArguments joins the process group here (through Accelerate) when launched. Under torchrun or
+        # accelerate with --max-restarts each attempt must join a group of its own (resilience/elastic.py
+        # says why): it is joined first, and Accelerate keeps it. NCCL reads its environment when its group is
+        # made.
+        for name, value in NCCL_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)
+        join_restartable_group(self.ddp_backend or ("gloo" if self.use_cpu else "nccl"), self.ddp_timeout)
+        return TrainingArguments._setup_devices.func(self)
 
 
-def outer_settings_of(c) -> OuterSettings:
-    seed = c.routing_seed if c.routing_seed is not None else c.seed
-    return OuterSettings(
-        method=c.outer_optimizer,
-        inner_steps=c.inner_steps,
-        outer_lr=c.outer_lr,
-        outer_momentum=c.outer_momentum,
-        outer_averaging=c.outer_averaging,
-        group_size=c.gossip_group_size,
-        dtype=c.outer_dtype,
-        offload=c.offload_outer_state,
-        seed=seed,
-        overlap_steps=c.outer_overlap_steps,
-    )
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def check_config(c) -> None:
@@ -744,7 +356,7 @@ def check_config(c) -> None:
     if c.load_best_model_at_end:
         raise ValueError("load_best_model_at_end is not supported by NoLoCoTrainer.")
     check_unhonoured(c)
-    check_model_init_kwargs(c.model_init_kwargs)
+    _check_attention_available(c.model_init_kwargs)
     if c.loss_chunk_tokens is not None:
         check_positive_int("loss_chunk_tokens", c.loss_chunk_tokens)
     if c.export_dtype is not None:
@@ -753,9 +365,8 @@ def check_config(c) -> None:
         check_choice("export_dtype", c.export_dtype, EXPORT_DTYPES)
     _check_activation_checkpointing(c)
     _check_trainer_extras(c)
-    num_replicas, _ = mesh_shape(int(os.environ.get("WORLD_SIZE", "1")), c.pipeline_stages)
-    settings = outer_settings_of(c)
-    settings.check_replicas(num_replicas)
+    num_replicas, _ = mesh_shape(_world_size(), c.pipeline_stages)
+    OuterSettings.of(c).check_replicas(num_replicas)
     routing_group_size(c.routing_domain, c.routing_group_size, num_replicas, c.pipeline_stages)
     check_export_replica(c.export_replica, num_replicas)
 
@@ -785,7 +396,7 @@ def check_replica_loss(c) -> None:
             "on_replica_loss='continue' runs on gloo (CPU) only: an NCCL communicator with a lost member "
             "aborts, and survivors cannot keep it."
         )
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (
+    if _world_size() > 1 and not (
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "TORCHELASTIC_RUN_ID" not in os.environ
     ):
         raise ValueError(
@@ -877,6 +488,18 @@ def check_unhonoured(c) -> None:
             )
 
 
+def _check_attention_available(model_init_kwargs) -> None:
+    attn = (model_init_kwargs or {}).get("attn_implementation")
+    if attn == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            raise ValueError(
+                "attn_implementation flash_attention_2 needs the flash_attn package and a GPU it supports "
+                "(pip install flash-attn); use sdpa (the default) otherwise."
+            )
+
+
 def _check_activation_checkpointing(c) -> None:
     kwargs = c.activation_checkpointing_kwargs
     if kwargs is None:
@@ -925,7 +548,7 @@ def _check_trainer_extras(c) -> None:
                 f"lr_scheduler_kwargs must be a JSON object such as '{{\"num_cycles\": 2}}', got {kwargs!r}."
             )
     if c.push_to_hub:
-        from .hub import check_hub_settings
+        from hf_noloco.io.hub import check_hub_settings
 
         check_hub_settings(True, c.hub_model_id, c.hub_token)
     resume = c.resume_from_checkpoint
@@ -933,267 +556,3 @@ def _check_trainer_extras(c) -> None:
         raise ValueError(f"resume_from_checkpoint: no such checkpoint folder {resume!r}.")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# What the command adds: the model and the data
-# ----------------------------------------------------------------------------------------------------------
-
-# model_config sizes that must be positive integers (transformers would fail later, in its own words)
-_MODEL_SIZES = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "max_position_embeddings",
-    "head_dim",
-)
-
-
-@_help_from_docstring
-@dataclass
-class ModelArguments:
-    r"""
-    Which model `hf-noloco-train` trains. Give exactly one of `model_name_or_path` and `model_config`; one
-    given on the command line replaces the recipe's.
-
-    Parameters:
-        model_name_or_path (`str` or `None`, *optional*, defaults to `None`):
-            Fine-tune this Llama-family checkpoint: a Hub id or a local folder of safetensors weights. Each
-            process reads only its own stage's tensors.
-        model_config (`dict`, `str` or `None`, *optional*, defaults to `None`):
-            Pretrain from scratch: the model's config as a mapping with a `model_type` (in a recipe), a JSON
-            object (on the command line) or the path of a `config.json`.
-        tokenizer_name_or_path (`str` or `None`, *optional*, defaults to `None`):
-            The tokenizer (Hub id or folder). `None`: the checkpoint's, or, from scratch, a byte-level BPE
-            tokenizer trained on the training documents and saved in `output_dir/tokenizer`.
-        tokenizer_vocab_size (`int`, *optional*, defaults to `4096`):
-            Vocabulary of the BPE tokenizer trained from scratch (at least 259: 256 bytes and 3 special
-            tokens).
-        model_revision (`str` or `None`, *optional*, defaults to `None`):
-            The Hub branch, tag or commit of `model_name_or_path` (and of its tokenizer). `None`: `main`.
-        dtype (`str` or `None`, *optional*, defaults to `None`):
-            The weights' dtype: `"float32"` (what `None` means), `"bfloat16"` (weights, gradients and
-            optimizer state in bf16; the outer state stays float32) or `"auto"` (the checkpoint's own). The
-            export is written in it unless `export_dtype` says otherwise. float16 is refused (no loss
-            scaling).
-        attn_implementation (`str` or `None`, *optional*, defaults to `None`):
-            `"sdpa"` (what `None` means), `"eager"`, or `"flash_attention_2"` where the flash_attn package is
-            installed.
-        trust_remote_code (`bool`, *optional*, defaults to `False`):
-            Allow the checkpoint's own modelling code (`auto_map` in its config) to run. The model must still
-            be laid out like Llama; anything else is refused with the list of what it lacks.
-
-        > LoRA (PEFT)
-
-        use_peft (`bool`, *optional*, defaults to `False`):
-            Fine-tune LoRA adapters (through PEFT, `pip install 'hf-noloco[peft]'`) instead of the whole
-            model: each stage gets the adapters of its own layers, the base weights stay frozen, and only the
-            adapters train, cross the network at an outer step, and go into checkpoints. The export is a PEFT
-            adapter (or, with `merge_adapter`, the merged model). Needs `model_name_or_path`.
-        lora_r (`int`, *optional*, defaults to `16`):
-            LoRA rank: the inner dimension of each adapter's two factors.
-        lora_alpha (`int`, *optional*, defaults to `32`):
-            LoRA scaling numerator: the adapter's update is scaled by `lora_alpha / lora_r`.
-        lora_dropout (`float`, *optional*, defaults to `0.05`):
-            Dropout on the adapters' input, in [0, 1).
-        lora_target_modules (`list[str]` or `None`, *optional*, defaults to `None`):
-            Names of the modules that get adapters (e.g. `q_proj v_proj`), or `all-linear` (every linear layer
-            of the decoder layers). Every pipeline stage must hold at least one. `None`: PEFT's default for
-            the architecture (`q_proj` and `v_proj` for Llama-family models).
-    """
-
-    model_name_or_path: str | None = None
-    model_config: dict | str | None = None
-    tokenizer_name_or_path: str | None = None
-    tokenizer_vocab_size: int = 4096
-    model_revision: str | None = None
-    dtype: WeightDtype | None = None
-    attn_implementation: AttnImplementation | None = None
-    trust_remote_code: bool = False
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None
-
-    def __post_init__(self):
-        if (self.model_name_or_path is None) == (self.model_config is None):
-            raise ValueError(
-                "Give exactly one of model_name_or_path (fine-tune) or model_config (pretrain from scratch)."
-            )
-        if self.use_peft:
-            check_lora_settings(self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_target_modules)
-            if self.model_name_or_path is None:
-                raise ValueError(
-                    "use_peft fine-tunes LoRA adapters on a pretrained model: give model_name_or_path (a "
-                    "model from scratch has nothing worth freezing)."
-                )
-        if self.model_revision is not None and self.model_name_or_path is None:
-            raise ValueError("model_revision applies to model_name_or_path, not to a model_config.")
-        check_model_init_kwargs(self.model_init_kwargs())
-        if self.model_config is not None:
-            self.model_config = model_config_values(self.model_config)
-            if self.tokenizer_name_or_path is None and self.tokenizer_vocab_size < 259:
-                raise ValueError(
-                    "tokenizer_vocab_size must be at least 259 for a byte-level BPE tokenizer, got "
-                    f"{self.tokenizer_vocab_size}."
-                )
-
-    def model_init_kwargs(self) -> dict:
-        """The settings given here, as :class:`NoLoCoConfig`'s ``model_init_kwargs`` holds them."""
-        values = {
-            "dtype": self.dtype,
-            "attn_implementation": self.attn_implementation,
-            "revision": self.model_revision,
-            "trust_remote_code": self.trust_remote_code or None,
-        }
-        return {k: v for k, v in values.items() if v is not None}
-
-
-def model_config_values(spec: dict | str) -> dict:
-    """``model_config`` as a checked dict: a mapping, a JSON object or a config.json path, with a
-    ``model_type``
-    and positive sizes."""
-    values = spec
-    if isinstance(spec, str) and os.path.isfile(spec):
-        try:
-            with open(spec) as f:
-                values = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"model_config: {spec} is not a readable JSON file ({exc}).") from None
-    elif isinstance(spec, str):
-        try:
-            values = json.loads(spec)
-        except json.JSONDecodeError:
-            raise ValueError(
-                f"model_config is neither a config.json path nor a JSON dict: {spec!r}"
-            ) from None
-    if not isinstance(values, dict):
-        raise ValueError(
-            f"model_config must be a mapping of config fields (with a model_type), got {spec!r}."
-        )
-    if "model_type" not in values:
-        raise ValueError("model_config needs a model_type (e.g. llama, mistral, qwen2).")
-    for name in _MODEL_SIZES:
-        value = values.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"model_config: {name} must be a positive integer, got {value!r}.")
-    return values
-
-
-@_help_from_docstring
-@dataclass
-class DataArguments:
-    r"""
-    Which text `hf-noloco-train` trains and evaluates on.
-
-    Parameters:
-        dataset_name (`str`, *optional*, defaults to `"builtin:python-docs"`):
-            A Hub dataset name, a local `.txt`/`.json`/`.jsonl`/`.parquet` file or folder of them, or
-            `"builtin:python-docs"`: CPython's own English documentation, which needs no network.
-        dataset_config (`str` or `None`, *optional*, defaults to `None`):
-            The Hub dataset's configuration name (e.g. `wikitext-103-raw-v1`).
-        text_column (`str`, *optional*, defaults to `"text"`):
-            The column holding the documents' text.
-        block_size (`int`, *optional*, defaults to `256`):
-            Tokens per training sequence: documents are concatenated (an end-of-text token after each) and cut
-            into blocks of this many tokens.
-        validation_split_percentage (`float`, *optional*, defaults to `5`):
-            Share of the documents held out for evaluation when the dataset has no validation or test split,
-            in [0, 100); chosen by a seeded shuffle of documents (with `streaming`, by a hash of each row's
-            content), so no block mixes both sides.
-        max_train_samples (`int` or `None`, *optional*, defaults to `None`):
-            Keep only the first this many training rows (blocks). With `streaming`, an epoch ends after this
-            many blocks over all replicas.
-        max_eval_samples (`int` or `None`, *optional*, defaults to `None`):
-            Evaluate on at most this many rows (blocks of `block_size` tokens) over all replicas: the first
-            ones of the evaluation split, the same at every evaluation. Needed with `streaming` when the
-            dataset has no validation split.
-        preprocessing_num_proc (`int` or `None`, *optional*, defaults to `None`):
-            Processes used to tokenize and pack the dataset (not with `streaming`).
-        streaming (`bool`, *optional*, defaults to `False`):
-            Read the dataset as a stream (a Hub dataset or local files) instead of downloading and tokenizing
-            it first: each replica reads its own shard (whole files when their count divides by the number of
-            replicas), tokenizes and packs on the fly, and a checkpoint records where it is, so a resumed run
-            continues at the very next block. Nothing is cached and no rank waits for another. Streams are
-            read in the source's order (not shuffled), need `max_steps`, and evaluation needs
-            `max_eval_samples` when the dataset has no validation split (rows are then held out by a hash of
-            their content).
-        packing (`bool` or `None`, *optional*, defaults to `None`):
-            `True`: concatenate the documents and cut the stream into blocks of `block_size` tokens (blocks
-            span documents, and attention crosses from one into the next, as in pretraining). `False`: one
-            document per row, truncated to `block_size` and right-padded to it (padding masked out of
-            attention and loss), so attention never crosses documents. `None`: `True` for text and
-            pre-tokenized rows, `False` for conversations and prompt/completion pairs (which cannot be
-            packed).
-        add_bos (`bool` or `None`, *optional*, defaults to `None`):
-            Put the tokenizer's beginning-of-text token before each text document (and plain prompt/completion
-            pair). `None`: if the tokenizer adds one itself (Llama's does; GPT-2's and Qwen's do not). Chat
-            templates and pre-tokenized rows keep their own tokens.
-        add_eos (`bool` or `None`, *optional*, defaults to `None`):
-            Put the tokenizer's end-of-text token after each text document (and plain prompt/completion pair),
-            which tells a packed model where documents end. `None`: `True`.
-        assistant_only_loss (`bool`, *optional*, defaults to `False`):
-            For conversations (a `messages` column, rendered with the tokenizer's chat template): train only
-            on the assistant turns, end-of-turn tokens included; every other label is -100.
-        completion_only_loss (`bool` or `None`, *optional*, defaults to `None`):
-            For `prompt`/`completion` rows: train only on the completion. `None`: `True` for such rows.
-        pad_token (`str` or `None`, *optional*, defaults to `None`):
-            The token that pads rows to `block_size` (never seen by the model: masked out of attention and
-            loss). `None`: the tokenizer's own padding token, or its end-of-text token when it has none (the
-            exported tokenizer keeps it as its padding token).
-    """
-
-    dataset_name: str = BUILTIN_DATASET
-    dataset_config: str | None = None
-    text_column: str = "text"
-    block_size: int = 256
-    validation_split_percentage: float = 5
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
-    preprocessing_num_proc: int | None = None
-    streaming: bool = False
-    packing: bool | None = None
-    add_bos: bool | None = None
-    add_eos: bool | None = None
-    assistant_only_loss: bool = False
-    completion_only_loss: bool | None = None
-    pad_token: str | None = None
-
-    def __post_init__(self):
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be at least 2, got {self.block_size}.")
-        if self.streaming and self.preprocessing_num_proc is not None:
-            raise ValueError(
-                "preprocessing_num_proc does nothing with streaming=True (each replica tokenizes its own "
-                "rows as it reads them): remove it."
-            )
-        if self.streaming and self.dataset_name == BUILTIN_DATASET and self.max_eval_samples is None:
-            raise ValueError(
-                "Streaming the built-in corpus (which has no validation split) needs max_eval_samples."
-            )
-        if self.packing and (self.assistant_only_loss or self.completion_only_loss):
-            raise ValueError(
-                "packing=True cannot go with assistant_only_loss or completion_only_loss: conversations and "
-                "prompt/completion pairs are padded, one per row, so that attention never crosses them."
-            )
-        if self.assistant_only_loss and self.completion_only_loss:
-            raise ValueError(
-                "assistant_only_loss (for `messages` rows) and completion_only_loss (for "
-                "`prompt`/`completion` rows) apply to different formats: set the one of your dataset."
-            )
-        for name in ("max_train_samples", "max_eval_samples", "preprocessing_num_proc"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value}.")
-        if not 0 <= self.validation_split_percentage < 100:
-            raise ValueError(
-                f"validation_split_percentage must be in [0, 100), got {self.validation_split_percentage}."
-            )
-        name = self.dataset_name
-        if (
-            name != BUILTIN_DATASET
-            and is_local_dataset_path(name)
-            and not os.path.exists(os.path.expanduser(name))
-        ):
-            raise ValueError(f"dataset_name: no such file or folder {name!r}.")

@@ -1,0 +1,92 @@
+"""The run's settings as the model card and the wandb run show them, and the callback that gives them to wandb.
+
+The Trainer's own wandb callback records the ``TrainingArguments`` and the model config; this one adds the
+mesh, routing, outer and data settings under ``noloco`` and ``data``, and says how wandb summarises NoLoCo's
+metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformers import TrainerCallback
+
+from hf_noloco.engine.stage import ties_embeddings
+
+
+def run_settings(trainer) -> dict:
+    """The settings of a :class:`~hf_noloco.NoLoCoTrainer`'s run, by option name (enums as their values)."""
+    args, mesh, stage = trainer.args, trainer.mesh, trainer.model
+    outer = args.outer_settings
+    has_outer = outer.has_outer_step
+    settings = {
+        "outer_optimizer": outer.outer_optimizer,
+        "pipeline_stages": mesh.num_stages,
+        "layer_ranges": [f"{a}-{b - 1}" for a, b in stage.all_layer_ranges],
+        "num_replicas": mesh.num_replicas,
+        "on_replica_loss": args.on_replica_loss,
+        "live_replicas": mesh.num_live_replicas if trainer.replica_loss.continues else None,
+        "inner_steps": outer.inner_steps,
+        "outer_lr": outer.outer_lr,
+        "outer_momentum": outer.outer_momentum,
+        "outer_averaging": outer.outer_averaging,
+        "gossip_group_size": outer.gossip_group_size if outer.outer_optimizer == "noloco" else None,
+        "outer_dtype": outer.outer_dtype if has_outer else None,
+        "routing": args.routing,
+        "routing_domain": args.routing_domain,
+        "routing_group_size": trainer.engine.router.group_size,
+        "outer_overlap_steps": outer.outer_overlap_steps if has_outer else None,
+        "pipeline_schedule": args.pipeline_schedule,
+        "microbatch_size": args.microbatch_size,
+        "global_batch_size": trainer.get_total_train_batch_size(args),
+        "block_size": trainer.data_args.block_size if trainer.data_args else None,
+        "max_steps": trainer.state.max_steps or args.max_steps,
+        "optimizer": args.optim,
+        "learning_rate": args.learning_rate,
+        "lr_scheduler_type": args.lr_scheduler_type,
+        "warmup_steps": args.warmup_steps,
+        "weight_decay": args.weight_decay,
+        "max_grad_norm": args.max_grad_norm,
+        "mixed_precision": "bf16" if args.bf16 else "no",
+        "weights_dtype": str(next(stage.parameters()).dtype).removeprefix("torch."),
+        "activation_checkpointing": bool(args.activation_checkpointing),
+        "loss_chunk_tokens": args.loss_chunk_tokens,
+        "tied_embeddings": ties_embeddings(stage.config),
+        "seed": args.seed,
+        "export_replica": args.export_replica,
+        "adapter": trainer.adapter_summary,
+        "export": trainer.export_kind,
+    }
+    return {k: getattr(v, "value", v) for k, v in settings.items()}
+
+
+def wandb_url() -> str | None:
+    """The page of this process's wandb run, if it has one online."""
+    try:
+        import wandb
+    except ImportError:
+        return None
+    run = wandb.run
+    return None if run is None or run.settings._offline else run.url
+
+
+class RunConfigCallback(TrainerCallback):
+    """Adds :func:`run_settings` and the data's settings to the wandb run's config."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or "wandb" not in (args.report_to or []):
+            return
+        import wandb
+
+        if wandb.run is None:
+            return
+        data = self.trainer.data_args
+        wandb.run.config.update(
+            {"noloco": run_settings(self.trainer), "data": dataclasses.asdict(data) if data else None},
+            allow_val_change=True,
+        )
+        wandb.define_metric("eval/perplexity", summary="min")
+        wandb.define_metric("train/replica_divergence*", summary="last")

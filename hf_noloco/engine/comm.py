@@ -1,0 +1,266 @@
+"""Messages and collectives with a deadline, and the one error a lost peer raises.
+
+A peer that never answers is an error that names it, not a hang: every wait here is bounded. Every
+torch.distributed call of the training loop goes through this module (:func:`exchange`, :func:`post`,
+:func:`collective`, :func:`peer_call`), which turns what the call itself raises into :class:`PeerError`. So a
+lost peer is told apart from a bug by where the error came from, never by its text: gloo reports a closed
+connection as a plain ``RuntimeError``, and code of ours that raises one is not a communication failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class PeerError(RuntimeError):
+    """A peer did not answer within the deadline, or its connection broke."""
+
+
+class ViewChange(PeerError):
+    """A wait given up because the run's live replicas are changing (:mod:`hf_noloco.resilience.membership`)."""
+
+
+# What a failed communication call raises once it went through this module: ours, and NCCL's own type.
+LOST_PEER_ERRORS: tuple[type[BaseException], ...] = (PeerError, dist.DistError)
+
+
+def is_lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a communication failure (a lost or stuck peer), by its type alone."""
+    return isinstance(exc, LOST_PEER_ERRORS)
+
+
+# Under on_replica_loss="continue" every wait also watches this event (set when a newer view of the live
+# replicas is proposed) and gives up when it is set: a peer that is itself recovering will never answer.
+_interrupt: threading.Event | None = None
+# Operations given up that way stay posted on their (old) process group: their Work objects, and the tensors
+# those hold, are kept alive here so that gloo never writes into freed memory.
+_abandoned: list = []
+
+
+def interrupt_waits_on(event: threading.Event | None) -> None:
+    """Makes every wait of this module give up with :class:`ViewChange` once ``event`` is set (``None``:
+    waits are plain again)."""
+    global _interrupt
+    _interrupt = event
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for a one-process group, or local launches)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def strict_p2p() -> bool:
+    """``HF_NOLOCO_STRICT_P2P=1``: wait for every posted batch, sends included, before posting the next.
+
+    gloo's sends wait for their receiver whatever their size, so this executes batches the way NCCL's stream
+    does: a plan that could deadlock on GPUs deadlocks (and fails with a timeout) in CPU tests too.
+    """
+    return os.environ.get("HF_NOLOCO_STRICT_P2P") == "1"
+
+
+def exchange(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    timeout: float,
+    describe_peer: Callable[[int], str] = lambda rank: f"rank {rank}",
+    context: str = "",
+    group: dist.ProcessGroup | None = None,
+    receives_first: bool = False,
+) -> list[tuple[dist.Work, str]]:
+    """Posts every send and receive as one batch (``batch_isend_irecv``) and waits for the receives.
+
+    ``sends``/``recvs`` are ``(tensor, global peer rank)`` pairs; messages between two ranks arrive in the
+    order they are posted. Returns the sends still in flight as ``(Work, what it is)`` pairs: the caller keeps
+    the sent tensors alive until :func:`wait_sends` has waited for them. gloo returns one Work per operation;
+    NCCL one for the whole batch, which then completes (or fails, naming every peer of the batch) as a whole.
+    ``group``: the process group (None: the default one). ``receives_first`` posts the receives before the
+    sends (see :func:`post`).
+    """
+    received, pending = post(sends, recvs, describe_peer, group, receives_first)
+    try:
+        wait_sends(received, timeout, context)
+        if strict_p2p():
+            wait_sends(pending, timeout, context)
+            pending = []
+    except PeerError:
+        abandon(received + pending)
+        raise
+    return pending
+
+
+def abandon(works: Sequence) -> None:
+    """Keeps operations that will never be waited for (and their tensors) alive, under
+    ``on_replica_loss="continue"``; items are ``(Work, ...)`` tuples."""
+    if _interrupt is not None:
+        _abandoned.extend(item[0] for item in works)
+
+
+def post(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    describe_peer: Callable[[int], str] = lambda rank: f"rank {rank}",
+    group: dist.ProcessGroup | None = None,
+    receives_first: bool = False,
+) -> tuple[list[tuple[dist.Work, str]], list[tuple[dist.Work, str]]]:
+    """Posts one batch and returns ``(received, sent)``, ``(Work, what it is)`` pairs: wait for ``received``
+    before reading a receive buffer, for ``sent`` before reusing a send buffer. A backend that returns one
+    Work for the whole batch (NCCL) puts it under ``received`` when the batch receives anything.
+
+    ``receives_first``: under gloo, two ranks that both post their send before their receive move the two
+    directions one after the other (measured on a rate-limited link: half the rate each way, twice the time,
+    for the outer sync's exchange of whole stages); receives posted first let both directions flow at once.
+    Within one batch NCCL does not care about the order."""
+    send_ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
+    recv_ops = [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in recvs]
+    ops = recv_ops + send_ops if receives_first else send_ops + recv_ops
+    if not ops:
+        return [], []
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as exc:  # gloo: a peer's connection is already closed (it died) when posting
+        raise PeerError(f"posting {_batch_description(sends, recvs, describe_peer)} failed ({exc})") from exc
+    if len(works) == len(ops):
+        if receives_first:
+            recv_works, send_works = works[: len(recvs)], works[len(recvs) :]
+        else:
+            send_works, recv_works = works[: len(sends)], works[len(sends) :]
+        received = [(w, f"receiving from {describe_peer(peer)}") for w, (_, peer) in zip(recv_works, recvs)]
+        sent = [(w, f"sending to {describe_peer(peer)}") for w, (_, peer) in zip(send_works, sends)]
+        return received, sent
+    batch = [(work, _batch_description(sends, recvs, describe_peer)) for work in works]
+    return (batch, []) if recvs else ([], batch)
+
+
+def _batch_description(sends, recvs, describe_peer) -> str:
+    def peers(pairs):
+        return ", ".join(describe_peer(peer) for peer in dict.fromkeys(peer for _, peer in pairs))
+
+    parts = ([f"sends to {peers(sends)}"] if sends else []) + (
+        [f"receives from {peers(recvs)}"] if recvs else []
+    )
+    return "completing a batch of " + " and ".join(parts)
+
+
+def wait_sends(pending: Sequence[tuple[dist.Work, str]], timeout: float, context: str = "") -> None:
+    """Waits for what :func:`exchange` returned as still in flight."""
+    for work, action in pending:
+        _wait(work, timeout, action, context)
+
+
+def _wait(work: dist.Work, timeout: float, action: str, context: str) -> None:
+    try:
+        if _interrupt is not None:
+            completed = _interruptible_wait(work, timeout, _interrupt, action, context)
+        else:
+            completed = work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if isinstance(exc, ViewChange):
+            raise  # gloo: timeout or a closed connection (the peer died); NCCL: watchdog abort
+        raise PeerError(
+            f"{context}: failed {action} within p2p_timeout={timeout:g}s ({exc})".lstrip(": ")
+        ) from exc
+    if completed is False:
+        raise PeerError(f"{context}: timed out {action} after p2p_timeout={timeout:g}s".lstrip(": "))
+
+
+def _interruptible_wait(
+    work: dist.Work, timeout: float, interrupt: threading.Event, action: str, context: str
+) -> bool:
+    """``work.wait(timeout)`` in a helper thread, given up when ``interrupt`` is set. gloo cannot be asked
+    again after a timed-out wait (it closes the connection) nor polled (``is_completed`` stays False until
+    waited for), so the wait itself runs aside and this thread watches both."""
+    if interrupt.is_set():
+        _abandoned.append(work)
+        raise ViewChange(f"{context}: gave up {action}: the live replicas are changing".lstrip(": "))
+    done, outcome = threading.Event(), []
+
+    def run():
+        try:
+            outcome.append(work.wait(timeout=timedelta(seconds=timeout)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            outcome.append(exc)
+        done.set()
+
+    threading.Thread(target=run, name="hf_noloco-wait", daemon=True).start()
+    while not done.wait(0.05):
+        if interrupt.is_set():
+            _abandoned.append(work)
+            raise ViewChange(f"{context}: gave up {action}: the live replicas are changing".lstrip(": "))
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+def wait_collective(work: dist.Work, timeout: float, what: str) -> None:
+    """Waits for an async collective (``async_op=True``) for at most ``timeout`` seconds; a lost member is a
+    :class:`PeerError` that says which collective and which ranks were involved."""
+    _wait(work, timeout, "to complete", what)
+
+
+def collective(op: Callable, *args, timeout: float, what: str, **kwargs) -> None:
+    """Posts the torch.distributed collective ``op(*args, async_op=True, **kwargs)`` and waits for it at most
+    ``timeout`` seconds: a failure while posting or waiting is a :class:`PeerError` naming ``what``."""
+    with peer_call(what):
+        work = op(*args, async_op=True, **kwargs)
+    wait_collective(work, timeout, what)
+
+
+@contextlib.contextmanager
+def peer_call(what: str):
+    """Wraps one torch.distributed call that has no bounded form (object collectives, blocking sends): a
+    ``RuntimeError`` it raises is a :class:`PeerError` naming ``what``. Wrap the call alone, never code of
+    ours, so that a bug is never mistaken for a lost peer."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as exc:
+        raise PeerError(f"{what} failed ({exc})") from exc
+
+
+# NCCL's watchdog acts on a group's timeout; our own waits give up after p2p_timeout and then name the lost
+# peer through the store, which takes a few seconds: the watchdog must come later.
+NCCL_WATCHDOG_MARGIN = 60.0
+
+
+def group_timeout(backend: str, seconds: float) -> timedelta:
+    """The timeout to give a process group whose collectives our waits bound by ``seconds``: the same for gloo
+    (its timeout is what our wait sees), ``seconds + NCCL_WATCHDOG_MARGIN`` for NCCL, whose watchdog would
+    otherwise abort the communicator before the lost-peer diagnosis runs."""
+    margin = NCCL_WATCHDOG_MARGIN if backend == "nccl" else 0.0
+    return timedelta(seconds=seconds + margin)
+
+
+class PendingExchange:
+    """Sends and receives posted now (:func:`post`, receives first), on ``group``, and waited for later: the
+    outer sync's exchange, running in the background while inner steps go on (``outer_overlap_steps``) or
+    waited for at once. Under gloo the transfers progress in gloo's own threads, under NCCL on the group's own
+    stream; either way the caller keeps computing. The tensors must stay untouched until :meth:`wait`
+    returns. ``sends``/``recvs`` are ``(tensor, global peer rank)`` pairs; messages to one peer arrive in the
+    order listed."""
+
+    def __init__(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int]],
+        recvs: Sequence[tuple[torch.Tensor, int]],
+        group: dist.ProcessGroup | None,
+        describe_peer: Callable[[int], str] = lambda rank: f"rank {rank}",
+    ):
+        self._received, self._sent = post(sends, recvs, describe_peer, group, receives_first=True)
+
+    def wait(self, timeout: float, context: str = "") -> None:
+        """Waits for every message, each for at most ``timeout`` seconds (receives first: a peer that never
+        sent is named as the one not answering)."""
+        wait_sends(self._received, timeout, context)
+        wait_sends(self._sent, timeout, context)
+        self._received, self._sent = [], []

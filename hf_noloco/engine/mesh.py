@@ -1,0 +1,215 @@
+"""The (dp, pp) process mesh: which stage and which replica this process is, and the groups it talks in.
+
+Ranks of one pipeline column (one replica, all stages) are consecutive, ``rank = replica * pp + stage``, so a
+column sits on one node when ``pp`` divides the processes per node. The mesh alone does not keep pipeline
+traffic inside a node: with ``sample``/``step`` routing and ``routing_domain: global`` a sample's next replica
+is drawn among all replicas of the next stage, wherever they run. ``routing_domain: node`` draws it among the
+replicas of the sender's node (:class:`hf_noloco.routing.Router` with a ``group_size``), and so does
+``fixed`` routing trivially; then only outer syncs cross nodes (``hf_noloco.traffic`` counts the bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hf_noloco.engine.comm import group_timeout
+from hf_noloco.rules import mesh_shape, rank_of
+
+
+@dataclass
+class PipelineMesh:
+    """Owns every process group of a NoLoCo run.
+
+    Attributes:
+        rank: global rank of this process.
+        stage: pipeline stage index of this process (0 = embeddings, last = lm head).
+        replica: data-parallel replica index of this process within its stage.
+        num_stages / num_replicas: the mesh shape (pp, dp).
+        replica_group: the ``num_replicas`` processes that hold this stage (outer sync, ddp, divergence).
+        column_group: the ``num_stages`` processes of this replica (loss broadcast, export).
+        A second group over this stage's replicas, for overlapped outer syncs, is made on first use
+        (:meth:`background_replica_group`).
+        live_replicas: the replica columns still in the run (all of them unless ``on_replica_loss="continue"``
+            dropped some, :meth:`regroup`).
+        world_group: the group of every live rank, for point-to-point messages and run-wide collectives
+            (``None``: the default group, while no replica was lost).
+    """
+
+    rank: int
+    world_size: int
+    num_stages: int
+    num_replicas: int
+    replica_group: dist.ProcessGroup | None
+    column_group: dist.ProcessGroup | None
+    device: torch.device
+    timeout: float = 1800.0  # seconds every collective and message may wait now (see set_timeout)
+    live_replicas: list[int] = field(default_factory=list)
+    world_group: dist.ProcessGroup | None = None
+    _background_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    _has_background_group: bool = field(default=False, repr=False)
+    _groups: list = field(default_factory=list, repr=False)  # every group made here (None: the default one)
+
+    def __post_init__(self):
+        if not self.live_replicas:
+            self.live_replicas = list(range(self.num_replicas))
+        self._groups = [None, self.replica_group, self.column_group]
+
+    def _new_group(self, ranks: list[int], **kwargs) -> dist.ProcessGroup:
+        group = dist.new_group(ranks, timeout=timedelta(seconds=self._backend_timeout()), **kwargs)
+        if self.rank in ranks:
+            self._groups.append(group)
+        return group
+
+    def _backend_timeout(self) -> float:
+        return group_timeout(dist.get_backend(), self.timeout).total_seconds()
+
+    def set_timeout(self, seconds: float) -> None:
+        """Bounds every collective and message of every group this rank uses by ``seconds`` from now on (see
+        :func:`~hf_noloco.engine.comm.group_timeout`: under NCCL a margin beyond it, so that our own bounded
+        waits fail first and name the peer). ``timeout`` is what our waits use."""
+        self.timeout = float(seconds)
+        backend_timeout = timedelta(seconds=self._backend_timeout())
+        for group in dict.fromkeys(self._groups):
+            group = group if group is not None else dist.group.WORLD
+            if hasattr(group, "set_timeout"):  # torch >= 2.6
+                group.set_timeout(backend_timeout)
+            else:
+                dist.distributed_c10d._set_pg_timeout(backend_timeout, group)
+
+    @contextlib.contextmanager
+    def patient(self, seconds: float):
+        """Waits inside may take up to ``seconds`` (set-up, checkpoint and export I/O); then the timeout before."""
+        before = self.timeout
+        self.set_timeout(seconds)
+        try:
+            yield
+        finally:
+            self.set_timeout(before)
+
+    @classmethod
+    def build(
+        cls, pipeline_stages: int, device: torch.device | str | None = None, timeout: float | None = None
+    ) -> PipelineMesh:
+        """Builds the mesh over the default process group, which must already be initialised. ``timeout``
+        (seconds) bounds the new groups' collectives; by default they get torch's default for the backend
+        (NCCL:
+        10 minutes), not the default group's."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: launch with `accelerate launch` or `torchrun`."
+            )
+        world_size = dist.get_world_size()
+        num_replicas, num_stages = mesh_shape(world_size, pipeline_stages)
+        device = torch.device(device) if device is not None else _default_device()
+        mesh = cls(dist.get_rank(), world_size, num_stages, num_replicas, None, None, device)
+        if timeout is not None:
+            mesh.set_timeout(timeout)
+        # Every rank must create every group in the same order (new_group is collective).
+        for stage in range(num_stages):
+            ranks = [rank_of(r, stage, num_stages) for r in range(num_replicas)]
+            group = mesh._new_group(ranks)
+            if mesh.rank in ranks:
+                mesh.replica_group = group
+        for replica in range(num_replicas):
+            ranks = [rank_of(replica, s, num_stages) for s in range(num_stages)]
+            group = mesh._new_group(ranks)
+            if mesh.rank in ranks:
+                mesh.column_group = group
+        # torch requires every rank of a group in its first batched point-to-point call; with tied embeddings
+        # and 3+ stages the first one (the gradient sum) involves only the first and last stages. A barrier
+        # makes the first operation on the default group one of every rank.
+        dist.barrier()
+        return mesh
+
+    def background_replica_group(self) -> dist.ProcessGroup | None:
+        """A second process group over this stage's replicas, made on first use and kept: the overlapped
+        outer sync runs there, so its messages never queue behind (or ahead of) the pipeline's. Collective
+        the first time: every rank of the world must call it together."""
+        if not self._has_background_group:
+            for stage in range(self.num_stages):
+                ranks = [rank_of(r, stage, self.num_stages) for r in range(self.num_replicas)]
+                group = self._new_group(ranks)
+                if self.rank in ranks:
+                    self._background_group = group
+            self._has_background_group = True
+        return self._background_group
+
+    def regroup(self, live_replicas: list[int]) -> None:
+        """New groups over the live replicas once others were lost: the run-wide group, this stage's replica
+        group and this column's group, each made by its members only (``use_local_synchronization``: a lost
+        rank takes no part) and fresh, so that nothing left half-done on an old group can match a new
+        message. Every live rank calls it with the same list."""
+        self.live_replicas = sorted(live_replicas)
+        make = lambda ranks: self._new_group(ranks, use_local_synchronization=True)
+        self.world_group = make(self.live_ranks())
+        self.replica_group = make([self.rank_of(r, self.stage) for r in self.live_replicas])
+        self.column_group = make(self.column_ranks())
+
+    @property
+    def num_live_replicas(self) -> int:
+        return len(self.live_replicas)
+
+    def live_ranks(self) -> list[int]:
+        """Global ranks of every live replica column, in rank order."""
+        return [self.rank_of(r, s) for r in self.live_replicas for s in range(self.num_stages)]
+
+    @property
+    def leader(self) -> int:
+        """The rank that writes what the run writes once (checkpoint records, the export): the first stage of
+        the first live replica (rank 0 while no replica was lost)."""
+        return self.rank_of(self.live_replicas[0], 0)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.num_stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.num_stages
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def rank_of(self, replica: int, stage: int) -> int:
+        """Global rank of ``replica`` of ``stage``."""
+        return rank_of(replica, stage, self.num_stages)
+
+    def replica_ranks(self, stage: int | None = None) -> list[int]:
+        """Global ranks of all replicas of ``stage`` (default: this process's stage), by replica index."""
+        stage = self.stage if stage is None else stage
+        return [self.rank_of(r, stage) for r in range(self.num_replicas)]
+
+    def column_ranks(self) -> list[int]:
+        """Global ranks of this replica's column, by stage."""
+        return [self.rank_of(self.replica, s) for s in range(self.num_stages)]
+
+    def describe_rank(self, rank: int) -> str:
+        """``rank 5 (stage 1, replica 2)``: how errors name a process."""
+        return f"rank {rank} (stage {rank % self.num_stages}, replica {rank // self.num_stages})"
+
+    def describe_ranks(self, ranks: list[int]) -> str:
+        return ", ".join(self.describe_rank(r) for r in ranks)
+
+    def describe(self) -> str:
+        """This process, as :meth:`describe_rank` names it."""
+        return self.describe_rank(self.rank)
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,301 @@
+"""The pipeline engine: one optimizer step of one stage replica, microbatch by microbatch.
+
+Every rank of a replica column holds the same batch (the data is sharded by replica). A microbatch of
+``M`` rows is computed as one tensor; at each stage boundary its rows are grouped by the replica of the
+next stage that the router assigns them to and sent as one message per destination. Rows keep their
+position inside the microbatch on every stage, so a receiver reassembles them by index.
+
+Each row travels with an int64 record: its sample id, the target-token count of the batch it came from,
+its labels, attention mask and position ids. The last stage weights each sample's summed cross-entropy by
+``1 / tokens of its origin batch``, so the loss of a replica is a sum of per-shard mean losses and the
+mean of the replicas' gradients equals data parallel's gradient whatever the routing. Gradients go back
+along the same paths.
+
+The order of computes and messages is the plan of :mod:`hf_noloco.schedule` (1F1B by default, or GPipe),
+which batches every send with the receive the peer needs at the same moment, so that it cannot deadlock under
+NCCL; the engine runs that plan and nothing else. No forward is recomputed unless asked: activation
+checkpointing of the decoder layers (``PipelineStage.activation_checkpointing_enable``) and the chunked loss
+(``loss_chunk_tokens``) trade a recomputation for memory. Activations and gradients travel in ``wire_dtype``
+(bfloat16 under bf16 mixed precision: half the bytes) and are computed in the stage's dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_noloco.engine.comm import abandon, exchange, wait_collective, wait_sends
+from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice, check_microbatch_size, check_positive_int
+from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.engine.stage import PipelineStage
+from hf_noloco.engine.losses import next_token_losses, target_token_count
+from hf_noloco.engine.routing import Router
+from hf_noloco.engine.schedule import BACKWARD, FORWARD, Post, pipeline_order, routed_links, step_plan
+
+_META_FIXED = 2  # sample id, origin batch's target-token count; then labels, attention mask, positions
+
+
+@dataclass
+class StepResult:
+    """What one stage replica knows after a step. ``loss`` is set on the last stage only: the sum over the
+    samples it processed of (summed token cross-entropy / target tokens of the sample's origin batch)."""
+
+    loss: torch.Tensor | None
+    target_tokens: torch.Tensor | None = None  # target tokens the last stage scored
+    sample_id_tensors: list[torch.Tensor] = field(default_factory=list)  # per microbatch, as processed here
+
+    @property
+    def sample_ids(self) -> list[list[int]]:
+        # Converted only on request: on a GPU, .tolist() would wait for the device.
+        return [ids.tolist() for ids in self.sample_id_tensors]
+
+
+class PipelineEngine:
+    """Runs training and evaluation steps of one stage replica.
+
+    Args:
+        stage: this rank's :class:`PipelineStage`.
+        mesh: the process mesh.
+        router: draws the replica pairing at each boundary (``Router(mesh.num_replicas, ...)``).
+        microbatch_size: rows per microbatch; the per-replica batch must be a multiple of it.
+        p2p_timeout: seconds to wait for a peer before failing with an error that names it.
+        autocast: a context manager factory wrapping each stage forward (e.g. bf16 autocast), or None.
+        schedule: ``"1f1b"`` (bounded activation memory) or ``"gpipe"``; see
+            :func:`~hf_noloco.schedule.pipeline_order`.
+        wire_dtype: the dtype activations and gradients travel in (default: the stage's own).
+        loss_chunk_tokens: the last stage scores this many positions at a time, recomputing each chunk's
+            logits in the backward pass, so it never holds a microbatch's full logits; ``None``: all at once
+            (see :func:`~hf_noloco.partition.next_token_losses`).
+    """
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        mesh: PipelineMesh,
+        router: Router,
+        microbatch_size: int,
+        p2p_timeout: float = 300.0,
+        autocast=None,
+        schedule: str = "1f1b",
+        loss_chunk_tokens: int | None = None,
+        wire_dtype: torch.dtype | None = None,
+    ):
+        check_choice("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
+        check_microbatch_size(microbatch_size, microbatch_size)
+        if router.num_replicas != mesh.num_replicas:
+            raise ValueError(f"router has {router.num_replicas} replicas, the mesh {mesh.num_replicas}.")
+        self.stage = stage
+        self.mesh = mesh
+        self.router = router
+        self.microbatch_size = microbatch_size
+        self.p2p_timeout = p2p_timeout
+        self.autocast = autocast or contextlib.nullcontext
+        self.schedule = schedule
+        if loss_chunk_tokens is not None:
+            check_positive_int("loss_chunk_tokens", loss_chunk_tokens)
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.peak_microbatches_held = 0  # of the last step: what bounds activation memory
+        self.device = next(stage.parameters()).device
+        self.activation_dtype = next(stage.parameters()).dtype
+        self.wire_dtype = wire_dtype or self.activation_dtype
+        self.step_index = 0  # training steps run: the routing key of `step` granularity
+        self.samples_seen = 0  # per-replica samples trained on: the routing key of `sample` granularity
+
+    # ----------------------------------------------------------------------------------------- public
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
+        """Forward and backward of every microbatch of ``batch`` (gradients accumulate in ``.grad``)."""
+        result = self._run(batch, self.router, self.microbatch_size, training=True)
+        self.step_index += 1
+        self.samples_seen += batch["input_ids"].shape[0]
+        return result
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, torch.Tensor], router: Router | None = None) -> tuple[float, int]:
+        """``(summed token cross-entropy, target tokens)`` of ``batch``, evaluated by this replica column
+        (``fixed`` routing unless a router is given), returned on every rank of the column. A last, smaller
+        batch is fine: its microbatches shrink to a divisor of its rows."""
+        router = router or Router(self.mesh.num_replicas, "fixed")
+        rows = batch["input_ids"].shape[0]
+        result = self._run(batch, router, math.gcd(rows, self.microbatch_size), training=False)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.stage.is_last:
+            totals[0], totals[1] = result.loss.double(), result.target_tokens
+        if self.mesh.num_stages > 1:
+            last = self.mesh.rank_of(self.mesh.replica, self.mesh.num_stages - 1)
+            work = torch.distributed.broadcast(totals, last, group=self.mesh.column_group, async_op=True)
+            wait_collective(work, self.p2p_timeout, self._context("the evaluation loss broadcast", None))
+        return totals[0].item(), int(totals[1].item())
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step_index": self.step_index, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step_index = int(state["step_index"])
+        self.samples_seen = int(state["samples_seen"])
+
+    # ---------------------------------------------------------------------------------------- schedule
+
+    def _run(self, batch: dict[str, torch.Tensor], router: Router, micro: int, training: bool) -> StepResult:
+        input_ids = batch["input_ids"]
+        rows, seq_len = self._check_batch(batch, micro)
+        mesh, stage = self.mesh, self.stage
+        meta = self._make_meta(batch, rows, seq_len) if stage.is_first else None
+        inputs, outputs, sample_ids = {}, {}, []
+        outgoing, arrived, pending = {}, {}, []  # (phase, m) -> tensors to send / received; sends in flight
+        loss = torch.zeros((), dtype=torch.float32, device=self.device) if stage.is_last else None
+        target_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+
+        def forward(m: int) -> None:
+            nonlocal loss
+            if stage.is_first:
+                x, mb_meta = (
+                    input_ids[m * micro : (m + 1) * micro].to(self.device),
+                    meta[m * micro : (m + 1) * micro],
+                )
+            else:
+                x, mb_meta = arrived.pop((FORWARD, m))
+                x = x.to(self.activation_dtype).requires_grad_(training)
+            sample_ids.append(mb_meta[:, 0])
+            labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len)
+            with self.autocast():
+                y = stage(x, attention_mask=attention_mask, position_ids=position_ids, logits=False)
+                if stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
+                    token_losses = next_token_losses(y, labels, stage.lm_head, self.loss_chunk_tokens, stage.extras)
+            if stage.is_last:
+                target_tokens.add_(target_token_count(labels))
+                if training:  # a sample's weight is 1 / (target tokens of the batch it came from)
+                    y = (token_losses.sum(1) / mb_meta[:, 1].clamp(min=1)).sum()
+                    loss += y.detach()
+                else:
+                    loss += token_losses.sum()
+            else:
+                outgoing[FORWARD, m] = (y.detach().to(self.wire_dtype), mb_meta)
+            if training:
+                inputs[m], outputs[m] = x, y
+            self.peak_microbatches_held = max(self.peak_microbatches_held, len(outputs))
+
+        def backward(m: int) -> None:
+            x, y = inputs.pop(m), outputs.pop(m)  # dropping them frees the microbatch's activations
+            if stage.is_last:
+                y.backward()
+            else:
+                (grad,) = arrived.pop((BACKWARD, m))
+                torch.autograd.backward(y, grad.to(y.dtype))
+            if not stage.is_first:
+                outgoing[BACKWARD, m] = (x.grad.to(self.wire_dtype),)
+
+        self.peak_microbatches_held = 0
+        order = pipeline_order(
+            self.schedule if training else "forward", rows // micro, mesh.num_stages, stage.stage_index
+        )
+        links = routed_links(
+            router, mesh.num_stages, mesh.stage, mesh.replica, self.step_index, self.samples_seen, micro
+        )
+        try:
+            for item in step_plan(order, mesh.rank, stage.is_first, stage.is_last, links):
+                if isinstance(item, Post):
+                    pending += self._post(item, outgoing, arrived, micro, seq_len)
+                elif item.phase == FORWARD:
+                    forward(item.microbatch)
+                else:
+                    backward(item.microbatch)
+            wait_sends(
+                [work for work, _ in pending], self.p2p_timeout, self._context("the step's last sends", None)
+            )
+        except Exception:
+            abandon(pending)  # under on_replica_loss="continue", sends never waited for stay alive
+            raise
+        return StepResult(loss, target_tokens, sample_ids)
+
+    def _check_batch(self, batch: dict[str, torch.Tensor], micro: int) -> tuple[int, int]:
+        input_ids = batch.get("input_ids")
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError("The batch needs `input_ids` of shape (batch, sequence).")
+        rows, seq_len = input_ids.shape
+        for key in ("labels", "attention_mask", "position_ids"):
+            value = batch.get(key)
+            if value is not None and tuple(value.shape) != (rows, seq_len):
+                raise ValueError(
+                    f"`{key}` has shape {tuple(value.shape)} but `input_ids` has {(rows, seq_len)}: every "
+                    "per-token tensor must match input_ids."
+                )
+        check_microbatch_size(rows, micro, what="The per-replica batch")
+        return rows, seq_len
+
+    def _make_meta(self, batch: dict[str, torch.Tensor], rows: int, seq_len: int) -> torch.Tensor:
+        """The per-row record that travels with each activation (built on the first stage)."""
+        labels = batch.get("labels")
+        labels = batch["input_ids"] if labels is None else labels
+        mask = batch.get("attention_mask")
+        mask = torch.ones_like(labels) if mask is None else mask
+        positions = batch.get("position_ids")
+        positions = torch.arange(seq_len).expand(rows, seq_len) if positions is None else positions
+        # Sample ids are unique over the run: (per-replica sample index) * dp + origin replica.
+        slots = torch.arange(self.samples_seen, self.samples_seen + rows, dtype=torch.int64)
+        ids = slots * self.mesh.num_replicas + self.mesh.replica
+        labels, mask, positions = (t.to(self.device, torch.int64) for t in (labels, mask, positions))
+        target_tokens = target_token_count(labels).expand(rows)
+        fixed = torch.stack([ids.to(self.device), target_tokens], dim=1)
+        return torch.cat([fixed, labels, mask, positions], dim=1)
+
+    # ----------------------------------------------------------------------------------- communication
+
+    def _post(self, post: Post, outgoing: dict, arrived: dict, micro: int, seq_len: int) -> list:
+        """Posts one batch of the plan: the sends of the compute just done (from ``outgoing``) and the
+        receives of the next one, which it waits for and assembles into ``arrived``. Returns the sends still
+        in flight, with the tensors that must stay alive until they have left."""
+        sends = []
+        for msg in post.sends:
+            tensors = outgoing[msg.phase, msg.microbatch]
+            if len(msg.rows) != micro:  # the rows routed to this peer
+                index = torch.tensor(msg.rows, device=self.device)
+                tensors = tuple(t.index_select(0, index) for t in tensors)
+            sends += [(t, msg.dst) for t in tensors]
+        recvs, parts = [], []
+        for msg in post.recvs:
+            buffers = self._receive_buffers(msg.phase, len(msg.rows), seq_len)
+            recvs += [(t, msg.src) for t in buffers]
+            parts.append((msg, buffers))
+        first = (post.recvs or post.sends)[0]
+        context = self._context(first.phase, first.microbatch)
+        in_flight = exchange(
+            sends, recvs, self.p2p_timeout, self.mesh.describe_rank, context, group=self.mesh.world_group
+        )
+        for msg in post.sends:  # the pending sends returned below keep what is still needed
+            outgoing.pop((msg.phase, msg.microbatch), None)
+        if parts:
+            arrived[parts[0][0].phase, parts[0][0].microbatch] = self._assemble(parts, micro)
+        return [(work, sends) for work in in_flight]
+
+    def _receive_buffers(self, phase: str, rows: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+        hidden = torch.empty(
+            rows, seq_len, self.stage.config.hidden_size, dtype=self.wire_dtype, device=self.device
+        )
+        if phase != FORWARD:
+            return (hidden,)
+        return hidden, torch.empty(rows, _META_FIXED + 3 * seq_len, dtype=torch.int64, device=self.device)
+
+    def _assemble(self, parts: list, micro: int) -> tuple[torch.Tensor, ...]:
+        """The microbatch's tensors from the rows each peer sent (one peer: its message is the microbatch)."""
+        if len(parts) == 1:
+            return parts[0][1]
+        whole = tuple(t.new_empty(micro, *t.shape[1:]) for t in parts[0][1])
+        for msg, buffers in parts:
+            index = torch.tensor(msg.rows, device=self.device)
+            for target, buffer in zip(whole, buffers):
+                target.index_copy_(0, index, buffer)
+        return whole
+
+    def _context(self, phase: str, m: int | None) -> str:
+        # Steps count from 1 in messages, as the Trainer's global_step does once the step is done.
+        where = f"stage {self.mesh.stage} replica {self.mesh.replica}, step {self.step_index + 1}, {phase}"
+        return where if m is None else f"{where} of microbatch {m}"
+
+
+def _unpack_meta(meta: torch.Tensor, seq_len: int):
+    body = meta[:, _META_FIXED:]
+    return body[:, :seq_len], body[:, seq_len : 2 * seq_len], body[:, 2 * seq_len :]

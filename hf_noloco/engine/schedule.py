@@ -1,0 +1,224 @@
+"""The plan of one pipeline step, and a check that no plan can deadlock under NCCL. Pure: no communication.
+
+A stage replica's step is a list of :class:`Compute` (the forward or backward of one microbatch) and
+:class:`Post` (one ``batch_isend_irecv``: some sends and receives posted together). :func:`step_plan` builds
+it; the engine (:mod:`hf_noloco.pipeline`) runs exactly that list, and :func:`find_deadlock` checks the lists
+of all ranks together.
+
+Why the batching matters: NCCL runs a rank's point-to-point operations in posting order on one stream, and a
+send of a large message waits until its receiver has posted the matching receive (so does gloo, whatever the
+size). If every send and every receive were posted on its own, 1F1B would deadlock: with two stages, stage 0
+posts [send x0][send x1][recv g0] while stage 1 posts [recv x0][send g0][recv x1], and ``send x1`` waits for
+``recv x1``, behind ``send g0``, which waits for ``recv g0``, behind ``send x1``. So, as
+``torch.distributed.pipelining`` does, every communication between two computes goes into ONE batch: the sends
+of the compute just done with the receives of the next one (a forward send with the next backward receive, a
+backward send with the next forward receive). :func:`find_deadlock` proves it over every schedule, mesh and
+routing the tests try.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice, rank_of
+
+from hf_noloco.engine.routing import Router, group_rows_by_peer
+
+FORWARD, BACKWARD = "F", "B"
+
+
+def pipeline_order(schedule: str, num_micro: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
+    """The order in which ``stage`` runs the forward ("F") and backward ("B") of each microbatch.
+
+    ``gpipe``: every forward, then every backward. ``1f1b``: ``num_stages - stage - 1`` warm-up forwards, then
+    one forward and one backward in turn, then the remaining backwards; a stage then holds the activations of
+    at most ``num_stages - stage`` microbatches instead of all of them. ``forward``: the forwards alone
+    (evaluation).
+    """
+    if schedule == "forward":
+        return [(FORWARD, m) for m in range(num_micro)]
+    check_choice("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
+    if schedule == "gpipe":
+        return [(FORWARD, m) for m in range(num_micro)] + [(BACKWARD, m) for m in range(num_micro)]
+    warmup = min(num_stages - stage - 1, num_micro)
+    order = [(FORWARD, m) for m in range(warmup)]
+    for m in range(warmup, num_micro):
+        order += [(FORWARD, m), (BACKWARD, m - warmup)]
+    order += [(BACKWARD, m) for m in range(num_micro - warmup, num_micro)]
+    return order
+
+
+@dataclass(frozen=True)
+class Message:
+    """Rows ``rows`` of microbatch ``microbatch`` going from global rank ``src`` to ``dst``: activations (and
+    their per-row record) for ``FORWARD``, their gradients for ``BACKWARD``."""
+
+    phase: str
+    microbatch: int
+    src: int
+    dst: int
+    rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Post:
+    """One batch of point-to-point operations, posted together."""
+
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class Compute:
+    phase: str
+    microbatch: int
+
+
+# For microbatch m: ({rank of the previous stage: rows}, {rank of the next stage: rows}). A row goes to the
+# same rank in the backward as it came from in the forward, so one function serves both phases.
+Links = Callable[[int], tuple[Mapping[int, Sequence[int]], Mapping[int, Sequence[int]]]]
+
+
+def routed_links(
+    router: Router, num_stages: int, stage: int, replica: int, step: int, first_sample: int, micro: int
+) -> Links:
+    """The peers of ``replica`` of ``stage`` for each microbatch of a step, as ``router`` pairs the replicas
+    at
+    the stage's two boundaries. ``first_sample`` is the replica's sample counter at the start of the step."""
+
+    def by_rank(replicas: list[int], peer_stage: int) -> dict[int, list[int]]:
+        return {rank_of(r, peer_stage, num_stages): rows for r, rows in group_rows_by_peer(replicas).items()}
+
+    def links(m: int):
+        samples = range(first_sample + m * micro, first_sample + (m + 1) * micro)
+        previous = following = {}
+        if stage > 0:
+            previous = by_rank(router.sources(stage - 1, step, samples, replica), stage - 1)
+        if stage < num_stages - 1:
+            following = by_rank(router.destinations(stage, step, samples, replica), stage + 1)
+        return previous, following
+
+    return links
+
+
+def mesh_plans(
+    schedule: str,
+    num_stages: int,
+    router: Router,
+    num_micro: int,
+    micro: int,
+    step: int = 0,
+    first_sample: int = 0,
+) -> dict[int, list]:
+    """The plan of one step of every rank of a ``router.num_replicas`` x ``num_stages`` mesh (what
+    :func:`find_deadlock` checks)."""
+    plans = {}
+    for replica in range(router.num_replicas):
+        for stage in range(num_stages):
+            order = pipeline_order(schedule, num_micro, num_stages, stage)
+            links = routed_links(router, num_stages, stage, replica, step, first_sample, micro)
+            rank = rank_of(replica, stage, num_stages)
+            plans[rank] = step_plan(order, rank, stage == 0, stage == num_stages - 1, links)
+    return plans
+
+
+def step_plan(
+    order: Sequence[tuple[str, int]], rank: int, is_first: bool, is_last: bool, links: Links
+) -> list:
+    """The plan of one step of global rank ``rank``: its computes in ``order`` (see :func:`pipeline_order`),
+    with
+    every communication between two computes gathered into one :class:`Post`, sends first."""
+    plan, sends, recvs = [], [], []
+    links = functools.lru_cache(maxsize=None)(links)  # each microbatch's peers, drawn once for F and B
+
+    def messages(peers: Mapping[int, Sequence[int]], phase: str, m: int, outgoing: bool) -> list[Message]:
+        return [
+            Message(phase, m, rank, peer, tuple(rows))
+            if outgoing
+            else Message(phase, m, peer, rank, tuple(rows))
+            for peer, rows in peers.items()
+        ]
+
+    for phase, m in order:
+        previous, following = links(m)
+        if phase == FORWARD and not is_first:
+            recvs += messages(previous, FORWARD, m, outgoing=False)
+        if phase == BACKWARD and not is_last:
+            recvs += messages(following, BACKWARD, m, outgoing=False)
+        if sends or recvs:
+            plan.append(Post(tuple(sends), tuple(recvs)))
+            sends, recvs = [], []
+        plan.append(Compute(phase, m))
+        if phase == FORWARD and not is_last:
+            sends += messages(following, FORWARD, m, outgoing=True)
+        if phase == BACKWARD and not is_first:
+            sends += messages(previous, BACKWARD, m, outgoing=True)
+    if sends:
+        plan.append(Post(tuple(sends), ()))
+    return plan
+
+
+def find_deadlock(plans: Mapping[int, Sequence]) -> str | None:
+    """Runs the plans of all ranks under NCCL's rules; ``None`` when they all finish, else what is stuck.
+
+    The rules, for one process group: each rank executes its :class:`Post` batches in order, one at a time
+    (the stream); an operation completes only when the matching operation of its peer is in the batch the peer
+    is executing; a batch ends when all its operations have completed. Computes never wait on other ranks
+    (their inputs arrive through the posts before them). Messages between two ranks match in posting order, so
+    the order in which ``src`` sends to ``dst`` must be the order in which ``dst`` receives from ``src``.
+    """
+    sent: dict[tuple[int, int], list[Message]] = {}
+    received: dict[tuple[int, int], list[Message]] = {}
+    streams = {rank: [item for item in plan if isinstance(item, Post)] for rank, plan in plans.items()}
+    for rank, posts in streams.items():
+        for post in posts:
+            for msg in post.sends:
+                if msg.src != rank:
+                    return f"rank {rank} posts a send of a message from rank {msg.src}: {msg}"
+                sent.setdefault((msg.src, msg.dst), []).append(msg)
+            for msg in post.recvs:
+                if msg.dst != rank:
+                    return f"rank {rank} posts a receive of a message for rank {msg.dst}: {msg}"
+                received.setdefault((msg.src, msg.dst), []).append(msg)
+    for pair in sent.keys() | received.keys():
+        if sent.get(pair, []) != received.get(pair, []):
+            return (
+                f"rank {pair[0]} sends {_names(sent.get(pair, []))} to rank {pair[1]}, which receives "
+                f"{_names(received.get(pair, []))}: unmatched or out of order"
+            )
+
+    head = dict.fromkeys(streams, 0)
+    done: set[tuple[str, Message]] = set()  # ("send" or "recv", message)
+    progress = True
+    while progress:
+        progress = False
+        running = {rank: posts[head[rank]] for rank, posts in streams.items() if head[rank] < len(posts)}
+        for post in running.values():
+            for msg in post.sends:
+                peer = running.get(msg.dst)
+                if ("send", msg) not in done and peer is not None and msg in peer.recvs:
+                    done.update({("send", msg), ("recv", msg)})
+                    progress = True
+        for rank, post in running.items():
+            if all(("send", m) in done for m in post.sends) and all(("recv", m) in done for m in post.recvs):
+                head[rank] += 1
+                progress = True
+    stuck = {rank: posts[head[rank]] for rank, posts in streams.items() if head[rank] < len(posts)}
+    if not stuck:
+        return None
+    lines = []
+    for rank, post in sorted(stuck.items()):
+        waiting = [f"send {_name(m)} to rank {m.dst}" for m in post.sends if ("send", m) not in done]
+        waiting += [f"recv {_name(m)} from rank {m.src}" for m in post.recvs if ("recv", m) not in done]
+        lines.append(f"rank {rank} waits to {', '.join(waiting)}")
+    return "deadlock: " + "; ".join(lines)
+
+
+def _name(msg: Message) -> str:
+    return f"{'x' if msg.phase == FORWARD else 'g'}{msg.microbatch}"
+
+
+def _names(messages: Sequence[Message]) -> str:
+    return "[" + ", ".join(_name(m) for m in messages) + "]"

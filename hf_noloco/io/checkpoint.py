@@ -1,0 +1,377 @@
+"""Checkpoints of a NoLoCo run: every rank's stage replica, written so that a checkpoint is complete or
+absent.
+
+Layout of ``output_dir/checkpoint-N/``::
+
+    noloco_mesh.json                  the mesh the run had (stages, replicas, layer split, method, routing)
+    trainer_state.json, scheduler.pt  the Trainer's own state (written by rank 0)
+    rng_state_<rank>.pth              each rank's random state (the Trainer's format)
+    stage-<s>-replica-<r>/            one folder per rank:
+        model.safetensors             the stage replica's weights (only the adapters, for a LoRA run)
+        optimizer.pt                  inner + outer optimizer state (plain tensors and numbers)
+        pipeline.pt                   the routing counters and tokens seen
+        checksums.json                this rank's files (its folder and its RNG state): size and SHA-256
+    noloco_checksums.json             every file of the checkpoint, size and SHA-256 (written last, by rank 0)
+
+Every rank writes into ``tmp-checkpoint-N/``; rank 0 renames it to ``checkpoint-N/`` only once every rank is
+done, so a crash during a save leaves the previous checkpoint the newest. Everything is read back with
+safetensors or ``torch.load(weights_only=True)``: no pickled code.
+
+A folder that was renamed can still be damaged later (a full disk, a node dying mid-copy, a flipped bit). So
+each rank hashes the files it wrote, rank 0 merges those records with its own files' into
+``noloco_checksums.json``, and a resume checks every file it reads against that record before any rank trains
+(:func:`agreed_problems`): every rank reaches the same verdict. :func:`resolve_resume` takes the newest
+checkpoint that passes, naming each file that made it skip a newer one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from hf_noloco.engine.mesh import PipelineMesh
+
+logger = logging.getLogger(__name__)
+
+MESH_FILE = "noloco_mesh.json"
+CHECKSUMS = "noloco_checksums.json"  # the completed checkpoint's record of all its files
+RANK_CHECKSUMS = "checksums.json"  # one rank's record of its own files, in its folder
+SKIPPED_PREFIX = "skipped-"  # a damaged checkpoint moved aside by a resume (kept for inspection)
+_WEIGHTS, _OPTIMIZER, _PIPELINE = "model.safetensors", "optimizer.pt", "pipeline.pt"
+# Files of the whole run that every resume reads (written by rank 0 with the Trainer's state).
+_SHARED_FILES = (MESH_FILE, "trainer_state.json")
+_HASH_CHUNK = 1 << 20
+# What a resume must share with the run that saved: anything else would load tensors into the wrong places.
+_MUST_MATCH = ("pipeline_stages", "num_replicas", "layer_ranges", "outer_optimizer", "adapter")
+
+
+def rank_folder(checkpoint: str, mesh: PipelineMesh) -> str:
+    return rank_folder_of(checkpoint, mesh.stage, mesh.replica)
+
+
+def rank_folder_of(checkpoint: str, stage: int, replica: int) -> str:
+    return os.path.join(checkpoint, f"stage-{stage}-replica-{replica}")
+
+
+def checkpoints_in(folder: str) -> bool:
+    """Whether ``folder`` holds completed checkpoints of a run."""
+    return os.path.isdir(folder) and any(
+        n.startswith(f"{PREFIX_CHECKPOINT_DIR}-") for n in os.listdir(folder)
+    )
+
+
+def completed_checkpoints(folder: str) -> list[str]:
+    """The completed checkpoints in ``folder`` (``checkpoint-<step>``), newest (highest step) first."""
+    if not os.path.isdir(folder):
+        return []
+    steps = [
+        int(m.group(1))
+        for n in os.listdir(folder)
+        if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", n))
+    ]
+    return [os.path.join(folder, f"{PREFIX_CHECKPOINT_DIR}-{s}") for s in sorted(steps, reverse=True)]
+
+
+def write_checkpoint(
+    run_dir: str,
+    step: int,
+    mesh: PipelineMesh,
+    write_rank_state: Callable[[str], Iterable[str] | None],
+    write_shared_state: Callable[[str], None],
+    timeout: float,
+    save_total_limit: int | None = None,
+    best_model_checkpoint: str | None = None,
+    barrier: Callable[[], None] | None = None,
+) -> str:
+    """Writes ``run_dir/checkpoint-<step>`` atomically. Collective: every rank calls it.
+
+    Args:
+        run_dir: the run's output folder.
+        step: the global step, which names the checkpoint.
+        mesh: the process mesh.
+        write_rank_state: called on every rank with the temporary checkpoint folder; writes this rank's files
+            (its rank folder) and returns the names of any it wrote beside the folder (its RNG state).
+        write_shared_state: called on rank 0 once every rank has written; writes the files of the whole run.
+        timeout: seconds rank 0 waits for the others (a monitored barrier names the ranks that did not
+        arrive). save_total_limit: the Trainer's limit on kept checkpoints.
+        best_model_checkpoint: the checkpoint of the best ``metric_for_best_model``, which the limit keeps.
+        barrier: how the ranks wait for each other (default: the live ranks' process group; the trainer's
+            store barrier under ``on_replica_loss="continue"``, which a lost rank interrupts).
+
+    Returns:
+        The completed checkpoint's folder.
+    """
+    name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    ranks, group = mesh.live_ranks(), mesh.world_group  # every rank, unless replicas were lost
+    custom_barrier = barrier is not None
+    barrier = barrier or (lambda: dist.barrier(group=group))
+    final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f"tmp-{name}")
+    if mesh.is_leader:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    own_files = list(write_rank_state(tmp) or [])
+    write_rank_checksums(tmp, mesh, own_files)
+    # Rank 0 renames the folder only when every rank has written its part. A monitored barrier (gloo) names
+    # the ranks that did not get there; rank 0 then fails, and the others with it.
+    if custom_barrier:
+        barrier()
+    elif dist.get_backend() == "gloo":
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+    else:
+        dist.barrier(group=group)
+    if mesh.is_leader:
+        write_shared_state(tmp)
+        write_checksums(tmp, [rank_folder_of(tmp, r % mesh.num_stages, r // mesh.num_stages) for r in ranks])
+    barrier()
+    if mesh.is_leader:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=save_total_limit,
+            best_model_checkpoint=best_model_checkpoint,
+            use_mtime=False,
+        )
+    barrier()
+    return final
+
+
+def save_rank_state(
+    folder: str,
+    mesh: PipelineMesh,
+    stage: nn.Module,
+    optimizer_state: dict,
+    pipeline_state: dict,
+    trainable_only: bool = False,
+):
+    """This rank's stage replica: weights, optimizer state and pipeline counters (and the stream position).
+    With ``trainable_only`` only the parameters that train (LoRA adapters) are written: the frozen base comes
+    from the base model again."""
+    rank_dir = rank_folder(folder, mesh)
+    os.makedirs(rank_dir, exist_ok=True)
+    if trainable_only:
+        weights = {k: p.detach().contiguous().cpu() for k, p in stage.named_parameters() if p.requires_grad}
+    else:
+        weights = {k: v.detach().contiguous().cpu() for k, v in stage.state_dict().items()}
+    save_file(weights, os.path.join(rank_dir, _WEIGHTS))
+    torch.save(optimizer_state, os.path.join(rank_dir, _OPTIMIZER))
+    torch.save(pipeline_state, os.path.join(rank_dir, _PIPELINE))
+
+
+def write_mesh_record(folder: str, record: dict) -> None:
+    with open(os.path.join(folder, MESH_FILE), "w") as f:
+        json.dump(record, f, indent=2)
+
+
+def check_mesh_record(checkpoint: str, record: dict) -> None:
+    """Refuses to resume ``checkpoint`` with another mesh, stage split or outer optimizer than it was saved
+    with."""
+    with open(os.path.join(checkpoint, MESH_FILE)) as f:
+        saved = json.load(f)
+    if saved.get("live_replicas") is not None:
+        raise ValueError(
+            f"Cannot resume {checkpoint}: it was written after replicas were lost "
+            f"(on_replica_loss='continue'; "
+            f"live replicas {saved['live_replicas']} of {saved['num_replicas']}), and resuming such a "
+            "checkpoint is not supported yet. Resume from one written before the loss."
+        )
+    for key in _MUST_MATCH:
+        if saved.get(key) != json.loads(
+            json.dumps(record.get(key))
+        ):  # JSON has lists where the record has tuples
+            raise ValueError(
+                f"Cannot resume {checkpoint}: it was saved with {key}={saved[key]}, this run has "
+                f"{record[key]}. "
+                "Resume with the same pipeline_stages, number of processes, stage split and outer_optimizer."
+            )
+
+
+def load_rank_state(
+    checkpoint: str, mesh: PipelineMesh, stage: nn.Module, trainable_only: bool = False
+) -> dict:
+    """Loads this rank's weights into ``stage`` (with ``trainable_only``: exactly its trainable parameters);
+    returns its pipeline counters."""
+    rank_dir = rank_folder(checkpoint, mesh)
+    weights = load_file(os.path.join(rank_dir, _WEIGHTS))
+    if trainable_only:
+        expected = {name for name, p in stage.named_parameters() if p.requires_grad}
+        if set(weights) != expected:
+            raise ValueError(
+                f"Cannot resume {checkpoint}: its adapter tensors do not match this run's "
+                f"({sorted(set(weights) ^ expected)[:3]} differ)."
+            )
+    stage.load_state_dict(weights, strict=not trainable_only)
+    return torch.load(os.path.join(rank_dir, _PIPELINE), weights_only=True)
+
+
+def load_optimizer_state(checkpoint: str, mesh: PipelineMesh) -> dict:
+    return torch.load(
+        os.path.join(rank_folder(checkpoint, mesh), _OPTIMIZER), weights_only=True, map_location="cpu"
+    )
+
+
+# ------------------------------------------------------------------------------------------- checksums
+
+
+def file_checksum(path: str) -> dict:
+    """``{"bytes": size, "sha256": hex digest}`` of a file, read in 1 MiB chunks (bounded memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def _write_json_atomically(path: str, record: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def write_rank_checksums(checkpoint: str, mesh: PipelineMesh, own_files: Iterable[str] = ()) -> None:
+    """Records the size and SHA-256 of this rank's files (its rank folder, plus ``own_files`` beside it) in
+    ``<rank folder>/checksums.json``. The files are hashed as they lie on disk once written: what a resume
+    will read."""
+    rank_dir = rank_folder(checkpoint, mesh)
+    names = [os.path.relpath(os.path.join(rank_dir, n), checkpoint) for n in sorted(os.listdir(rank_dir))]
+    names = [n for n in names if os.path.basename(n) != RANK_CHECKSUMS] + list(own_files)
+    record = {n: file_checksum(os.path.join(checkpoint, n)) for n in names}
+    _write_json_atomically(os.path.join(rank_dir, RANK_CHECKSUMS), {"files": record})
+
+
+def write_checksums(checkpoint: str, rank_dirs: Iterable[str]) -> None:
+    """Rank 0, once every rank has written: merges the ranks' records and adds every other file of the
+    checkpoint (the run's shared state), hashed here, into ``noloco_checksums.json``."""
+    files: dict[str, dict] = {}
+    for rank_dir in rank_dirs:
+        path = os.path.join(rank_dir, RANK_CHECKSUMS)
+        if not os.path.isfile(path):  # the barrier before us says every rank has written its part
+            raise RuntimeError(f"{path} is missing: a rank did not record its checkpoint files.")
+        with open(path) as f:
+            files.update(json.load(f)["files"])
+    for root, _, names in os.walk(checkpoint):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), checkpoint)
+            if rel not in files and name not in (RANK_CHECKSUMS, CHECKSUMS):
+                files[rel] = file_checksum(os.path.join(checkpoint, rel))
+    _write_json_atomically(os.path.join(checkpoint, CHECKSUMS), {"files": files})
+
+
+def files_to_verify(checkpoint: str, mesh: PipelineMesh, listed: Iterable[str]) -> list[str]:
+    """The files of ``listed`` that this rank checks: its own folder and everything beside the rank folders
+    (small: the run's state and the RNG states). Every file is thus checked by at least one rank."""
+    own = os.path.relpath(rank_folder(checkpoint, mesh), checkpoint) + os.sep
+    return [n for n in listed if n.startswith(own) or os.sep not in n]
+
+
+def verify_rank_files(checkpoint: str, mesh: PipelineMesh) -> str | None:
+    """What is wrong with the files this rank would read from ``checkpoint``, or ``None`` when they all match
+    the checkpoint's record. The answer names the file: ``checkpoint-8/stage-1-replica-1/model.safetensors:
+    1024 bytes, the checksum record says 5120 (truncated)``."""
+    name = os.path.basename(os.path.normpath(checkpoint))
+    record_path = os.path.join(checkpoint, CHECKSUMS)
+    if not os.path.isfile(record_path):
+        return f"{name}/{CHECKSUMS} is missing (the checkpoint was written without checksums)"
+    try:
+        with open(record_path) as f:
+            listed = json.load(f)["files"]
+        if not isinstance(listed, dict):
+            raise TypeError(type(listed).__name__)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        return f"{name}/{CHECKSUMS} is unreadable ({type(exc).__name__}: {exc})"
+    for rel in _SHARED_FILES:
+        if rel not in listed:
+            return f"{name}/{rel} is not in {CHECKSUMS} (the checkpoint is incomplete)"
+    own = os.path.relpath(rank_folder(checkpoint, mesh), checkpoint)
+    for rel in (os.path.join(own, n) for n in (_WEIGHTS, _OPTIMIZER, _PIPELINE)):
+        if rel not in listed:
+            return (
+                f"{name} holds no {rel} ({mesh.describe()}): it was saved by a run with another number of "
+                "processes or pipeline_stages, or is incomplete"
+            )
+    for rel in files_to_verify(checkpoint, mesh, sorted(listed)):
+        path, expected = os.path.join(checkpoint, rel), listed[rel]
+        if not os.path.isfile(path):
+            return f"{name}/{rel} is missing"
+        size = os.path.getsize(path)
+        if size != expected["bytes"]:
+            how = "truncated" if size < expected["bytes"] else "longer than written"
+            return f"{name}/{rel}: {size} bytes, the checksum record says {expected['bytes']} ({how})"
+        if file_checksum(path)["sha256"] != expected["sha256"]:
+            return f"{name}/{rel}: its SHA-256 differs from the checksum record (the content changed)"
+    return None
+
+
+def agreed_problems(checkpoint: str, mesh: PipelineMesh) -> list[str]:
+    """Every rank's verdict on ``checkpoint`` (:func:`verify_rank_files`), the same list on every rank.
+    Collective: every rank calls it, so no rank can start training from a checkpoint another refuses."""
+    mine = verify_rank_files(checkpoint, mesh)
+    verdicts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, mine)
+    return list(dict.fromkeys(v for v in verdicts if v))  # in rank order, each problem once
+
+
+def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh) -> str | None:
+    """The checkpoint to resume, verified on every rank; collective.
+
+    ``requested`` is a checkpoint folder (an error naming the damaged file if it does not verify) or
+    ``True``: the newest completed checkpoint in ``run_dir`` that verifies. Newer ones that do not are logged,
+    naming the file, and moved aside to ``skipped-checkpoint-N`` (kept for inspection; otherwise a later save
+    could rotate away the intact checkpoint in favour of the damaged one). Returns ``None`` when ``run_dir``
+    holds no completed checkpoint; raises when it holds only damaged ones.
+    """
+    if requested is not True:
+        problems = agreed_problems(requested, mesh)
+        if problems:
+            raise ValueError(f"Cannot resume {requested}: " + "; ".join(problems))
+        return requested
+    # Rank 0's listing for all: ranks that saw different folders (a slow shared filesystem) would otherwise
+    # call different numbers of collectives. A checkpoint a rank cannot see fails its check there.
+    box = [completed_checkpoints(run_dir) if mesh.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    candidates = box[0]
+    skipped = []
+    for candidate in candidates:
+        problems = agreed_problems(candidate, mesh)
+        if not problems:
+            for folder, reasons in skipped:
+                logger.warning("Skipping %s: %s.", folder, "; ".join(reasons))
+            if mesh.rank == 0:
+                for folder, _ in skipped:
+                    _move_aside(folder)
+            dist.barrier()
+            if skipped:
+                logger.warning("Resuming from %s, the newest checkpoint that verifies.", candidate)
+            return candidate
+        skipped.append((candidate, problems))
+    if skipped:
+        raise ValueError(
+            f"No intact checkpoint in {run_dir}: "
+            + " | ".join(f"{os.path.basename(c)}: {'; '.join(p)}" for c, p in skipped)
+        )
+    return None
+
+
+def _move_aside(folder: str) -> None:
+    parent, name = os.path.split(os.path.normpath(folder))
+    target = os.path.join(parent, SKIPPED_PREFIX + name)
+    suffix = 1
+    while os.path.exists(target):
+        target = os.path.join(parent, f"{SKIPPED_PREFIX}{name}.{suffix}")
+        suffix += 1
+    os.replace(folder, target)

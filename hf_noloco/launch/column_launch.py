@@ -1,0 +1,129 @@
+"""One launch per replica column, for ``on_replica_loss="continue"``.
+
+torchrun and ``accelerate launch`` stop every worker they started as soon as one fails, which is right for
+``on_replica_loss="stop"`` and defeats ``"continue"``. Here each replica column (its ``pipeline_stages``
+processes) is a launch of its own, so a lost column takes down nothing but itself; all columns join one
+run through a store that no worker hosts::
+
+    # column 0, on the machine that also hosts the store (it serves until every worker of the run is gone)
+    python -m hf_noloco.column_launch --store HOST:29400 --host-store --column 0 --columns 4 --stages 2 \\
+        recipes/train.py recipes/pretrain_scratch/config_noloco.yaml --on_replica_loss continue
+    # columns 1, 2, 3, anywhere that reaches HOST
+    python -m hf_noloco.column_launch --store HOST:29400 --column 1 --columns 4 --stages 2 \\
+        recipes/train.py recipes/pretrain_scratch/config_noloco.yaml --on_replica_loss continue
+
+Each process gets what torchrun would give it (``RANK = column * stages + stage``, ``WORLD_SIZE = columns *
+stages``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` = the store) and joins the store as a client
+(``TORCHELASTIC_USE_AGENT_STORE=True``), as torchrun's workers join their agent's. The launcher exits with the
+first non-zero exit status of its processes (128 + the signal for one killed), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_noloco.column_launch",
+        description="Starts the pipeline_stages processes of one replica column of an on_replica_loss="
+        "'continue' run.",
+    )
+    parser.add_argument("--store", required=True, help="HOST:PORT of the run's store.")
+    parser.add_argument(
+        "--host-store",
+        action="store_true",
+        help="Host the store here (once per run); the launcher then serves it until no worker of the run "
+        "has beaten its heartbeat for --linger seconds.",
+    )
+    parser.add_argument("--linger", type=float, default=10.0, help="See --host-store (seconds).")
+    parser.add_argument("--column", type=int, required=True, help="This replica column, in [0, --columns).")
+    parser.add_argument("--columns", type=int, required=True, help="Replica columns in the run (dp).")
+    parser.add_argument("--stages", type=int, required=True, help="Processes per column (pipeline_stages).")
+    parser.add_argument("script", help="The training script (e.g. recipes/train.py), or -m for a module.")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Its arguments.")
+    args = parser.parse_args(argv)
+    host, _, port = args.store.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"--store must be HOST:PORT, got {args.store!r}.")
+    args.host, args.port = host, int(port)
+    if args.columns < 1 or args.stages < 1:
+        parser.error("--columns and --stages must be positive.")
+    if not 0 <= args.column < args.columns:
+        parser.error(f"--column must be in [0, {args.columns}), got {args.column}.")
+    return args
+
+
+def worker_env(args: argparse.Namespace, stage: int) -> dict[str, str]:
+    env = dict(
+        os.environ,
+        RANK=str(args.column * args.stages + stage),
+        WORLD_SIZE=str(args.columns * args.stages),
+        LOCAL_RANK=str(stage),
+        LOCAL_WORLD_SIZE=str(args.stages),
+        GROUP_RANK=str(args.column),
+        MASTER_ADDR=args.host,
+        MASTER_PORT=str(args.port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    env.pop("TORCHELASTIC_RUN_ID", None)  # not an elastic agent: nothing restarts these processes
+    if args.stages > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several processes per machine
+    return env
+
+
+def host_store(port: int):
+    import torch.distributed as dist
+
+    return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
+
+
+def serve_until_idle(store, world_size: int, linger: float) -> None:
+    """Keeps the store up while any worker of the run still beats its heartbeat (comm.PeerWatch)."""
+    keys = [f"hf_noloco/0/beat/{rank}" for rank in range(world_size)]
+    last, changed = None, time.monotonic()
+    while True:
+        beats = [store.add(key, 0) for key in keys]
+        if beats != last:
+            last, changed = beats, time.monotonic()
+        elif time.monotonic() - changed > linger:  # (none ever beat: the run failed before training)
+            return
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = [sys.executable, args.script, *args.script_args]
+    if args.script == "-m":
+        command = [sys.executable, "-m", *args.script_args]
+    # The workers first: they import for seconds before they connect (and keep trying until the store is up),
+    # while this process imports torch to host the store.
+    procs = [subprocess.Popen(command, env=worker_env(args, stage)) for stage in range(args.stages)]
+    store = host_store(args.port) if args.host_store else None
+
+    def forward(signum, frame):
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            p.send_signal(signum)
+        if not running:  # the workers are done: the signal stops the store this launcher serves
+            sys.exit(128 + signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    codes = [p.wait() for p in procs]
+    if store is not None:
+        serve_until_idle(store, args.columns * args.stages, args.linger)
+    failed = [c for c in codes if c != 0]
+    if not failed:
+        return 0
+    return 128 - failed[0] if failed[0] < 0 else failed[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

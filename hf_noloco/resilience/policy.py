@@ -1,0 +1,202 @@
+"""What a lost peer does to the run, as one object the trainer asks: ``on_replica_loss`` "stop" or "continue".
+
+The trainer never asks which mode it runs in. It calls the same few methods in both, and the two forms answer:
+
+- :meth:`ReplicaLossPolicy.tolerate` runs a piece of work that communicates. "stop": a lost peer raises, and
+  the job ends with an error that names it. "continue": the loss is reported to the membership
+  (:mod:`hf_noloco.resilience.membership`), which proposes a view without the lost column, and the work's
+  fallback is returned (a skipped step, no divergence, no evaluation, an unwritten checkpoint).
+- :meth:`~ReplicaLossPolicy.begin_step` (a fence under "continue": a pending view takes effect there),
+  :meth:`~ReplicaLossPolicy.barrier`, :meth:`~ReplicaLossPolicy.live_sum` (a sum over the live ranks), and
+  :meth:`~ReplicaLossPolicy.retry` (the export, started again after a loss).
+
+A lost peer is recognised by the error's type alone (:func:`hf_noloco.engine.comm.is_lost_peer`): every
+communication call goes through :mod:`hf_noloco.engine.comm`, which raises :class:`~hf_noloco.engine.comm.PeerError`
+for what the call itself raised. Any other error, a bug included, propagates in both modes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from hf_noloco.engine.comm import LOST_PEER_ERRORS, PeerError, collective
+from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.resilience.membership import Membership, silence_limit
+from hf_noloco.resilience.watch import PeerWatch
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ReplicaLossPolicy:
+    """``on_replica_loss="stop"``: a lost peer is an error that ends the job (every wait is bounded by the
+    mesh's timeout, ``p2p_timeout`` while training, and :class:`~hf_noloco.resilience.watch.PeerWatch` names
+    the lost rank)."""
+
+    continues = False
+
+    def __init__(self, mesh: PipelineMesh, watch: PeerWatch, p2p_timeout: float):
+        self.mesh, self.watch, self.p2p_timeout = mesh, watch, p2p_timeout
+
+    @property
+    def offline(self) -> bool:
+        """Whether this rank must not communicate now (a view change is pending: "continue" only)."""
+        return False
+
+    @property
+    def view(self) -> int:
+        """How many times the live replicas changed (0: never)."""
+        return 0
+
+    def begin_step(self) -> None:
+        """Called as every training step begins."""
+
+    def tolerate(self, what: str, work: Callable[[], T], fallback: Callable[[], T], step: int) -> T:
+        """``work()``; what a lost peer during it does is this policy's to decide (here: raise)."""
+        return work()
+
+    def lost_partner(self, exc: BaseException, step: int) -> None:
+        """A gossip partner was lost inside the outer exchange (raised here; "continue" skips the averaging)."""
+        raise exc
+
+    def barrier(self) -> None:
+        """Waits for every live rank."""
+        collective(
+            dist.barrier,
+            group=self.mesh.world_group,
+            timeout=self.mesh.timeout,
+            what=f"{self.mesh.describe()}: barrier of the {len(self.mesh.live_ranks())} live ranks",
+        )
+
+    @property
+    def checkpoint_barrier(self) -> Callable[[], None] | None:
+        """How the ranks meet while a checkpoint is written (``None``: the process group's barrier)."""
+        return None
+
+    def live_sum(self, tensor: torch.Tensor, what: str, step: int) -> int:
+        """Sums ``tensor`` in place over every live rank; returns how many ranks it summed."""
+        ranks = len(self.mesh.live_ranks())
+        if ranks > 1:
+            collective(
+                dist.all_reduce,
+                tensor,
+                group=self.mesh.world_group,
+                timeout=self.mesh.timeout,
+                what=f"{self.mesh.describe()}: {what} over the {ranks} live ranks",
+            )
+        return ranks
+
+    def retry(self, what: str, work: Callable[[], T], step: int) -> T:
+        """``work()``, collective over the live ranks ("continue" starts it again after a loss)."""
+        return work()
+
+    def may_tear_down_groups(self) -> bool:
+        """Whether the process groups can be destroyed at the end (not once operations were abandoned)."""
+        return True
+
+    def close(self) -> None:
+        self.watch.close()
+
+
+class ContinueAfterReplicaLoss(ReplicaLossPolicy):
+    """``on_replica_loss="continue"``: a lost rank's replica column is dropped and the others train on.
+
+    Args:
+        mesh, watch, p2p_timeout: as :class:`ReplicaLossPolicy`.
+        on_change: called on every live rank with the new live columns when a view takes effect (it makes
+            the new process groups and what draws over the replicas).
+    """
+
+    continues = True
+
+    def __init__(
+        self,
+        mesh: PipelineMesh,
+        watch: PeerWatch,
+        p2p_timeout: float,
+        on_change: Callable[[list[int]], None],
+    ):
+        super().__init__(mesh, watch, p2p_timeout)
+        self.membership = Membership(
+            watch,
+            mesh.rank,
+            mesh.num_stages,
+            mesh.num_replicas,
+            silence=silence_limit(p2p_timeout),
+            on_change=on_change,
+        )
+
+    @property
+    def offline(self) -> bool:
+        return self.membership.offline
+
+    @property
+    def view(self) -> int:
+        return self.membership.view
+
+    def begin_step(self) -> None:
+        # Every step starts together: a pending change of the live replicas takes effect here.
+        self.membership.fence()
+
+    def tolerate(self, what: str, work: Callable[[], T], fallback: Callable[[], T], step: int) -> T:
+        if self.offline:
+            logger.warning("%s: %s skipped: the live replicas are changing.", self.mesh.describe(), what)
+            return fallback()
+        try:
+            return work()
+        except LOST_PEER_ERRORS as exc:
+            self.membership.failed(exc, step)
+            logger.warning("%s: %s interrupted by a lost replica.", self.mesh.describe(), what)
+            return fallback()
+
+    def lost_partner(self, exc: BaseException, step: int) -> None:
+        self.membership.failed(exc, step)
+
+    def barrier(self) -> None:
+        self.membership.barrier()
+
+    @property
+    def checkpoint_barrier(self) -> Callable[[], None] | None:
+        return self.membership.barrier
+
+    def live_sum(self, tensor: torch.Tensor, what: str, step: int) -> int:
+        # While the live replicas change (or if a rank is lost during this very sum) the sum is this rank's own.
+        return self.tolerate(what, lambda: super(ContinueAfterReplicaLoss, self).live_sum(tensor, what, step), lambda: 1, step)
+
+    def retry(self, what: str, work: Callable[[], T], step: int, attempts: int = 3) -> T:
+        for _ in range(attempts):
+            self.membership.fence()
+            try:
+                return work()
+            except LOST_PEER_ERRORS as exc:
+                self.membership.failed(exc, step)
+                logger.warning("%s: %s interrupted by a lost replica; starting it again.", self.mesh.describe(), what)
+        raise PeerError(f"{self.mesh.describe()}: {what} was interrupted {attempts} times by lost replicas.")
+
+    def may_tear_down_groups(self) -> bool:
+        # Tearing down groups that hold operations given up on (a wait still blocked in gloo) aborted the
+        # process at exit ("terminate called without an active exception").
+        return self.view == 0
+
+    def close(self) -> None:
+        self.membership.close()
+        super().close()
+
+
+def replica_loss_policy(
+    action: str, mesh: PipelineMesh, p2p_timeout: float, on_change: Callable[[list[int]], None]
+) -> ReplicaLossPolicy:
+    """The policy of ``on_replica_loss`` (``action``), with this rank's heartbeat started."""
+    continuing = action == "continue"
+    # Under "continue" the heartbeat has a store connection of its own: making a process group blocks the
+    # shared one until every member arrives, which would silence the heartbeat meanwhile.
+    watch = PeerWatch(mesh.rank, mesh.world_size, own_connection=continuing)
+    if continuing:
+        return ContinueAfterReplicaLoss(mesh, watch, p2p_timeout, on_change)
+    return ReplicaLossPolicy(mesh, watch, p2p_timeout)

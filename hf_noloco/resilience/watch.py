@@ -1,0 +1,138 @@
+"""Heartbeats in the rendezvous store: who is still alive, and the job's first failure.
+
+Every rank stamps a counter in the store from a daemon thread. After a communication failure a rank watches
+the counters to find the peers that stopped (killed, frozen, cut off), and the first failing rank stores its
+diagnosis so that every rank's error names the root cause. Under ``on_replica_loss="continue"`` the same
+heartbeats tell :mod:`hf_noloco.resilience.membership` which ranks are gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class PeerWatch:
+    """Tells, after a communication failure, which peers are gone, and keeps the job's first failure.
+
+    ``own_connection``: talk to the store over a connection of its own. A store client runs one operation at a
+    time, and making a process group blocks it until every member has arrived, which would silence the
+    heartbeat meanwhile (``on_replica_loss="continue"`` then mistakes a rank making a group for a lost one).
+
+    A gloo/NCCL collective that fails says only that "a connection closed" or "timed out", not which rank was
+    lost. So each rank stamps a counter in the rendezvous store every ``interval`` seconds from a daemon
+    thread (the store is hosted by the launcher's agent under torchrun/accelerate, so it outlives any worker).
+    A rank whose communication fails marks itself as failing, then watches the counters for ``3 * interval``:
+    the peers whose counter did not move and that are not failing themselves are lost (killed, crashed, frozen
+    or cut off). The first failing rank stores its diagnosis; ranks that fail after it (their peer is gone)
+    just read it, so every rank's error names the lost peer. All of this is best effort: without a reachable
+    store (e.g. it lived in a rank that died) the errors are the plain ones.
+    """
+
+    def __init__(self, rank: int, world_size: int, interval: float = 0.5, own_connection: bool = False):
+        self.rank, self.world_size, self.interval = rank, world_size, interval
+        self._prefix = "hf_noloco/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._stop = threading.Event()
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self.store = _get_default_store()
+            if own_connection:
+                self.store = _second_connection(self.store)
+        except Exception:  # noqa: BLE001 - no store (e.g. a custom init): no diagnosis, plain errors
+            self.store = None
+            return
+        self._thread = threading.Thread(target=self._beat, name="hf_noloco-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(f"{self._prefix}/beat/{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - store gone: nothing left to tell
+                return
+            self._stop.wait(self.interval)
+
+    def close(self) -> None:
+        """Stops the heartbeat and waits for its thread: a thread left inside a store call while the
+        interpreter exits can abort the process (SIGABRT) instead of letting it exit with its error."""
+        self._stop.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10 * self.interval)
+
+    def diagnose(
+        self, message: str, describe: Callable[[int], str], find_lost: bool = True, timeout: float = 5.0
+    ) -> str | None:
+        """Records ``message`` (this rank's failure) and returns the job's first failure: ``message`` (plus
+        the lost peers, with ``find_lost``) when this rank is the first, another rank's record otherwise;
+        ``None`` without a store."""
+        if self.store is None:
+            return None
+        try:
+            self.store.set_timeout(timedelta(seconds=timeout))  # we are failing: never wait long on the store
+            self.store.set(f"{self._prefix}/failing/{self.rank}", "1")
+            key = f"{self._prefix}/first_failure"
+            if not self.store.check([key]):
+                lost = self._lost_peers() if find_lost else []
+                if lost:
+                    message += "\nPeers that stopped responding: " + ", ".join(describe(r) for r in lost)
+                return self.store.compare_set(key, "", message).decode(errors="replace")
+            return self.store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store is gone too
+            return None
+
+    def hold_store_at_exit(self) -> None:
+        """When this process hosts the store (rank 0 launched without an elastic agent), it waits at exit,
+        after its error is out, until every other rank has recorded its own failure or stopped beating
+        (killed, frozen, gone), at most ``20 * interval`` seconds: ranks that fail a moment later (a peer's
+        diagnosis takes ``3 * interval``) still read the job's first failure from this store."""
+        hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if self.store is not None and self.rank == 0 and not hosted_by_agent:
+            atexit.register(self._hold_store, 20 * self.interval)
+
+    def _hold_store(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        others = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            while time.monotonic() < deadline:
+                before = {r: self.store.add(f"{self._prefix}/beat/{r}", 0) for r in others}
+                time.sleep(3 * self.interval)
+                others = [
+                    r
+                    for r in others
+                    if not self.store.check([f"{self._prefix}/failing/{r}"])
+                    and self.store.add(f"{self._prefix}/beat/{r}", 0) != before[r]
+                ]
+                if not others:
+                    return
+        except Exception:  # noqa: BLE001 - the store is failing too: nothing to hold
+            return
+
+    def _lost_peers(self) -> list[int]:
+        beats = lambda: [self.store.add(f"{self._prefix}/beat/{r}", 0) for r in range(self.world_size)]
+        before = beats()
+        time.sleep(3 * self.interval)
+        after = beats()
+        return [
+            r
+            for r in range(self.world_size)
+            if r != self.rank
+            and after[r] == before[r]
+            and not self.store.check([f"{self._prefix}/failing/{r}"])
+        ]
+
+
+def _second_connection(store: dist.Store) -> dist.Store:
+    """A new client connection to the TCPStore behind ``store`` (keys without the process group's prefix),
+    or ``store`` itself when it is not a TCPStore."""
+    base = store._underlying_non_prefix_store if isinstance(store, dist.PrefixStore) else store
+    if not isinstance(base, dist.TCPStore):
+        return store
+    return dist.TCPStore(base.host, base.port, is_master=False, timeout=base.timeout)

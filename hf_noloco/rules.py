@@ -1,0 +1,309 @@
+"""The ground floor: every setting's allowed values, the paper's defaults, and the rules that check them.
+
+Each rule is one function, written once and called wherever it applies: by :class:`~hf_noloco.NoLoCoConfig`
+for a recipe user, and by the engine's classes for a direct Python user of ``PipelineEngine`` or
+``OuterOptimizer``, so both get the same error from the same line. This module imports neither torch nor
+transformers: every other layer imports it, and it imports nothing of the package.
+
+It also holds the one docstring convention of the settings classes (:func:`help_from_docstring`): a field's
+``--help`` text is its entry in the class's ``Parameters:`` section, so there is one text to read in two places.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+import re
+import types
+from typing import Literal, get_args
+
+# ----------------------------------------------------------------------------------------------------------
+# Allowed values
+# ----------------------------------------------------------------------------------------------------------
+
+Routing = Literal["sample", "step", "fixed"]
+RoutingDomain = Literal["global", "node"]
+PipelineSchedule = Literal["1f1b", "gpipe"]
+StageBalance = Literal["layers", "compute"]
+OuterMethod = Literal["noloco", "diloco", "ddp", "local"]
+OuterDtype = Literal["float32", "bfloat16"]
+NonfiniteAction = Literal["error", "skip"]
+ReplicaLossAction = Literal["stop", "continue"]
+# How bf16 weights take their optimizer step (see NoLoCoConfig.bf16_weights_update).
+Bf16WeightsUpdate = Literal["float32_master", "bfloat16"]
+# The weights' dtype (TRL's `dtype`): no float16 without loss scaling; "auto" is the checkpoint's own.
+WeightDtype = Literal["float32", "bfloat16", "auto"]
+ExportDtype = Literal["float32", "bfloat16"]
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
+
+ROUTINGS: tuple[str, ...] = get_args(Routing)
+ROUTING_DOMAINS: tuple[str, ...] = get_args(RoutingDomain)
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+STAGE_BALANCES: tuple[str, ...] = get_args(StageBalance)
+OUTER_METHODS: tuple[str, ...] = get_args(OuterMethod)
+OUTER_DTYPES: tuple[str, ...] = get_args(OuterDtype)
+NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonfiniteAction)
+REPLICA_LOSS_ACTIONS: tuple[str, ...] = get_args(ReplicaLossAction)
+BF16_WEIGHTS_UPDATES: tuple[str, ...] = get_args(Bf16WeightsUpdate)
+WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
+EXPORT_DTYPES: tuple[str, ...] = get_args(ExportDtype)
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
+# What model_init_kwargs may hold: the keys TRL scripts put there from ModelConfig.
+MODEL_INIT_KEYS = ("dtype", "attn_implementation", "revision", "trust_remote_code")
+
+# Methods with an outer step every `inner_steps` (ddp and local have no outer hyperparameters).
+OUTER_STEP_METHODS = ("noloco", "diloco")
+
+# The paper's defaults (Section 4). gamma (outer_averaging) is not stated in the paper; the official code uses
+# gamma = beta, written here as None and resolved to outer_lr.
+PAPER_DEFAULTS: dict[str, dict[str, float | int]] = {
+    "noloco": {"inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.5},
+    "diloco": {"inner_steps": 100, "outer_lr": 0.7, "outer_momentum": 0.3},
+}
+
+BUILTIN_DATASET = "builtin:python-docs"
+DATA_FILE_EXTENSIONS = (".txt", ".json", ".jsonl", ".parquet")
+PEFT_INSTALL_HINT = "pip install 'hf-noloco[peft]'"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rules
+# ----------------------------------------------------------------------------------------------------------
+
+
+def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}.")
+
+
+def is_positive_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def check_positive_int(name: str, value, what: str = "") -> None:
+    """``value`` is an int >= 1 (``what`` says what it counts, for the message)."""
+    if not is_positive_int(value):
+        raise ValueError(f"{name}{f' ({what})' if what else ''} must be a positive integer, got {value!r}.")
+
+
+def check_in_range(name: str, value, low: float, high: float, closed_low: bool, closed_high: bool, hint=""):
+    """``value`` is a finite number in the interval; ``hint`` ends the message (e.g. the paper's value)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    inside = number and (value >= low if closed_low else value > low) and (value <= high if closed_high else value < high)
+    if not inside:
+        interval = f"{'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
+        raise ValueError(f"{name} must be in {interval}, got {value!r}{f' ({hint})' if hint else ''}.")
+
+
+def rank_of(replica: int, stage: int, num_stages: int) -> int:
+    """The global rank of ``replica`` of ``stage``: a replica's column of stages is consecutive ranks."""
+    return replica * num_stages + stage
+
+
+def mesh_shape(world_size: int, pipeline_stages: int) -> tuple[int, int]:
+    """``(num_replicas, num_stages)`` for ``world_size`` processes, or a clear error."""
+    check_positive_int("pipeline_stages", pipeline_stages)
+    if world_size % pipeline_stages:
+        raise ValueError(
+            f"The world size ({world_size} processes) is not divisible by pipeline_stages={pipeline_stages}: "
+            f"launch a multiple of {pipeline_stages} processes (num_replicas x pipeline_stages)."
+        )
+    return world_size // pipeline_stages, pipeline_stages
+
+
+def check_stage_boundaries(boundaries, num_stages: int, num_layers: int | None = None) -> None:
+    """``boundaries`` lists the first decoder layer of stages 1..num_stages-1; with ``num_layers``, also
+    checks that every stage gets at least one layer."""
+    if boundaries is None:
+        return
+    if len(boundaries) != num_stages - 1:
+        raise ValueError(
+            f"stage_boundaries must list the first layer of stages 1..{num_stages - 1} "
+            f"({num_stages - 1} numbers), got {list(boundaries)}."
+        )
+    if num_layers is None:
+        return
+    starts = [0, *boundaries]
+    if any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= num_layers:
+        raise ValueError(
+            f"stage_boundaries {list(boundaries)} do not split layers 0..{num_layers - 1} into {num_stages} "
+            "non-empty stages: they must be strictly increasing, above 0 and below the layer count."
+        )
+
+
+def check_microbatch_size(rows: int, microbatch_size: int, what: str = "per_device_train_batch_size") -> None:
+    check_positive_int("microbatch_size", microbatch_size)
+    if rows % microbatch_size:
+        raise ValueError(f"{what} has {rows} rows, not a multiple of microbatch_size={microbatch_size}.")
+
+
+def default_microbatch_size(batch_size: int, pipeline_stages: int) -> int:
+    """The largest divisor of ``batch_size`` giving at least ``2 * pipeline_stages`` microbatches (1 if none
+    does), which keeps the pipeline bubble small; the whole batch with one stage."""
+    wanted = 2 * pipeline_stages if pipeline_stages > 1 else 1
+    divisors = [m for m in range(batch_size, 0, -1) if batch_size % m == 0 and batch_size // m >= wanted]
+    return divisors[0] if divisors else 1
+
+
+def check_export_replica(replica: int | None, num_replicas: int) -> None:
+    if replica is not None and not 0 <= replica < num_replicas:
+        raise ValueError(f"export_replica must be in [0, {num_replicas}), got {replica}.")
+
+
+def check_lora_values(r, alpha, dropout, target_modules) -> None:
+    """LoRA's settings (that PEFT is installed is :func:`hf_noloco.adapters.require_peft`'s check)."""
+    check_positive_int("lora_r", r)
+    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0):
+        raise ValueError(f"lora_alpha must be a positive number, got {alpha!r}.")
+    if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
+        raise ValueError(f"lora_dropout must be in [0, 1), got {dropout!r}.")
+    if target_modules is not None and (
+        isinstance(target_modules, str)
+        or not target_modules
+        or not all(isinstance(t, str) and t for t in target_modules)
+    ):
+        raise ValueError(
+            "lora_target_modules must be a non-empty list of module names (or ['all-linear']), got "
+            f"{target_modules!r}."
+        )
+
+
+def check_model_init_kwargs(kwargs) -> dict:
+    """``model_init_kwargs`` as a checked dict (a JSON string is parsed): only :data:`MODEL_INIT_KEYS`, each
+    with an allowed value, ``dtype`` without a ``torch.`` prefix."""
+    if kwargs is None:
+        return {}
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError:
+            kwargs = None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f'model_init_kwargs must be a mapping such as {{"dtype": "bfloat16"}}, got {kwargs!r}.')
+    unknown = sorted(set(kwargs) - set(MODEL_INIT_KEYS))
+    if unknown:
+        raise ValueError(
+            f"model_init_kwargs: unsupported key {unknown[0]!r}; the keys are {', '.join(MODEL_INIT_KEYS)}."
+        )
+    checked = dict(kwargs)
+    if kwargs.get("dtype") is not None:
+        dtype = str(kwargs["dtype"]).removeprefix("torch.")
+        if dtype in ("float16", "half"):
+            raise ValueError("dtype float16 is not supported (the pipeline has no loss scaling): use bfloat16.")
+        check_choice("dtype", dtype, WEIGHT_DTYPES)
+        checked["dtype"] = dtype
+    if kwargs.get("attn_implementation") is not None:
+        check_choice("attn_implementation", kwargs["attn_implementation"], ATTN_IMPLEMENTATIONS)
+    revision = kwargs.get("revision")
+    if revision is not None and (not isinstance(revision, str) or not revision):
+        raise ValueError(f"model_revision must be a branch, tag or commit name, got {revision!r}.")
+    if not isinstance(kwargs.get("trust_remote_code", False), bool):
+        raise ValueError(f"trust_remote_code must be true or false, got {kwargs['trust_remote_code']!r}.")
+    return checked
+
+
+def processes_per_node() -> int:
+    """Processes this launch runs on each node: ``LOCAL_WORLD_SIZE`` (set by torchrun and accelerate), or the
+    whole world when it is unset (a single-machine launch)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def routing_group_size(
+    domain: str,
+    group_size: int | None,
+    num_replicas: int,
+    pipeline_stages: int,
+    procs_per_node: int | None = None,
+) -> int:
+    """Replicas per routing group: all of them (``global``), or those whose replica columns share a node
+    (``node``): ``group_size`` if given, else ``procs_per_node // pipeline_stages``. Ranks are
+    ``replica * pipeline_stages + stage`` and a node holds consecutive ranks, so the replicas of one node are
+    consecutive and their whole columns sit on it exactly when ``pipeline_stages`` divides the processes per
+    node."""
+    check_choice("routing_domain", domain, ROUTING_DOMAINS)
+    if group_size is not None:
+        if domain != "node":
+            raise ValueError(
+                f"routing_group_size={group_size} only applies to routing_domain='node' (got {domain!r})."
+            )
+        check_positive_int("routing_group_size", group_size)
+    if domain == "global":
+        return num_replicas
+    if group_size is None:
+        procs_per_node = processes_per_node() if procs_per_node is None else procs_per_node
+        if procs_per_node % pipeline_stages:
+            raise ValueError(
+                f"routing_domain='node' needs every replica column on one node, but pipeline_stages="
+                f"{pipeline_stages} does not divide the {procs_per_node} processes per node: launch a "
+                "multiple of pipeline_stages per node, or set routing_group_size explicitly."
+            )
+        group_size = min(max(procs_per_node // pipeline_stages, 1), num_replicas)
+    if num_replicas % group_size:
+        raise ValueError(f"routing_group_size={group_size} does not divide the {num_replicas} replicas per stage.")
+    return group_size
+
+
+def check_streamed_training(max_steps: int, dataloader_num_workers: int) -> None:
+    """A streamed training set has no length and its position goes into checkpoints."""
+    if max_steps <= 0:
+        raise ValueError("A streamed training set has no known length: set max_steps.")
+    if dataloader_num_workers:
+        raise ValueError(
+            "A streamed training set is read in the training process (its position goes into checkpoints): "
+            "set dataloader_num_workers=0."
+        )
+
+
+def check_merge_adapter(merge_adapter: bool, uses_adapters: bool) -> None:
+    if merge_adapter and not uses_adapters:
+        raise ValueError("merge_adapter=True merges LoRA adapters into the model: it needs use_peft (a peft_config).")
+
+
+def is_local_dataset_path(name: str) -> bool:
+    """Whether ``dataset_name`` means local files. Hub names are ``name`` or ``owner/name``; anything with a
+    file extension we read, or that starts like a filesystem path, is local, and must then exist (never fall
+    through to the Hub)."""
+    return (
+        os.path.exists(os.path.expanduser(name))
+        or name.startswith(("/", ".", "~"))
+        or os.path.splitext(name)[1].lower() in DATA_FILE_EXTENSIONS
+        or name.count("/") > 1
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Help texts from docstrings
+# ----------------------------------------------------------------------------------------------------------
+
+_DOC_ENTRY = re.compile(r"^(\w+) \(.*\):$")
+
+
+def docstring_entries(doc: str) -> dict[str, str]:
+    """``{name: description}`` of a docstring's ``Parameters:`` entries (``name (`type`, ...):`` then an
+    indented description), each description joined into one paragraph."""
+    entries: dict[str, str] = {}
+    name, indent = None, 0
+    for line in inspect.cleandoc(doc or "").splitlines():
+        stripped = line.strip()
+        match = _DOC_ENTRY.match(stripped)
+        if match:
+            name, indent = match.group(1), len(line) - len(line.lstrip())
+            entries[name] = ""
+        elif name is not None and stripped and len(line) - len(line.lstrip()) > indent:
+            entries[name] = f"{entries[name]} {stripped}".strip()
+        elif stripped:
+            name = None
+    return entries
+
+
+def help_from_docstring(cls):
+    """Gives every field documented in ``cls``'s docstring that entry as its ``--help`` text."""
+    entries = docstring_entries(cls.__doc__)
+    for f in dataclasses.fields(cls):
+        if f.name in entries and f.name in cls.__annotations__:  # fields declared here, not inherited ones
+            f.metadata = types.MappingProxyType({**f.metadata, "help": entries[f.name]})
+    return cls

@@ -1,0 +1,43 @@
+"""The throughput benchmark's smoke mode runs end to end and writes the rows it promises."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+from tests.helpers.paths import ROOT
+
+
+def test_pipeline_throughput_quick(tmp_path):
+    output = tmp_path / "throughput.json"
+    script = os.path.join(ROOT, "benchmarks", "pipeline_throughput.py")
+    done = subprocess.run(
+        [sys.executable, script, "--quick", "--output", str(output)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(output.read_text())
+
+    sizes = [1, 2]
+    expected = ["reference", "reference x2"] + [
+        f"pp2 dp1 mb{m}{split}" for m in sizes for split in ("", " compute")
+    ]
+    expected += [f"pp2 dp2 mb{m} {routing}" for m in sizes for routing in ("fixed", "sample")]
+    assert [row["name"] for row in result["rows"]] == expected
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and row["efficiency"] > 0 and row["step_s_median"] > 0
+        assert row["processes"] == row["pp"] * row["dp"]
+    assert result["rows"][0]["efficiency"] == 1.0
+    assert result["summary"]["two_process_ceiling"] == result["rows"][1]["efficiency"] > 0
+    assert set(result["summary"]["pp2_dp1_of_two_process_ceiling"]) == {"layers", "compute"}
+    assert set(result["summary"]["sample_vs_fixed_cost"]) == {"1", "2"}
+    assert all(e > 0 for e in result["summary"]["pp2_dp1_efficiency"].values())
+    assert set(result["summary"]["pp2_dp1_efficiency_compute"]) == {"1", "2"}
+    assert result["model"]["stage_split"] == {"layers": [[0, 1], [1, 2]], "compute": [[0, 1], [1, 2]]}
+    assert result["machine"]["cores"] >= 1 and result["machine"]["torch"]
+    assert "reference" in done.stdout and "efficiency" in done.stdout  # the printed table
