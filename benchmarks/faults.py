@@ -85,8 +85,8 @@ def worker(plan_path: str) -> None:
     from transformers import LlamaConfig, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
 
-    from hf_noloco.resilience import elastic
     from hf_noloco.config import NoLoCoConfig
+    from hf_noloco.resilience import elastic
     from hf_noloco.resilience.membership import ReplicaDropped
     from hf_noloco.trainer import NoLoCoTrainer
 

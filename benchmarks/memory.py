@@ -241,11 +241,11 @@ class StageRun:
         import torch.distributed as dist
         from transformers import AutoConfig
 
-        from hf_noloco.outer.settings import OuterSettings
-        from hf_noloco.launch.local_launch import free_port
-        from hf_noloco.engine.mesh import PipelineMesh
-        from hf_noloco.outer.optimizer import OuterOptimizer
         from hf_noloco.engine.loading import build_stage
+        from hf_noloco.engine.mesh import PipelineMesh
+        from hf_noloco.launch.local_launch import free_port
+        from hf_noloco.outer.optimizer import OuterOptimizer
+        from hf_noloco.outer.settings import OuterSettings
 
         self.case, self.device = case, torch.device(device)
         self.config = AutoConfig.for_model(**case["model"])

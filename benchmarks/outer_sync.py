@@ -23,10 +23,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from hf_noloco.outer.settings import OuterSettings
-from hf_noloco.launch.local_launch import run_distributed
 from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.launch.local_launch import run_distributed
 from hf_noloco.outer.optimizer import OuterOptimizer
+from hf_noloco.outer.settings import OuterSettings
 
 METHODS = [  # label, method, outer_dtype
     ("noloco fp32", "noloco", "float32"),

@@ -44,11 +44,11 @@ import torch.distributed as dist
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_noloco.launch.local_launch import run_distributed
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.partition import split_model
 from hf_noloco.engine.pipeline import PipelineEngine
 from hf_noloco.engine.routing import Router
+from hf_noloco.launch.local_launch import run_distributed
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline_throughput.json")
 WORLD = 4  # processes started: enough for pp=2 x dp=2; smaller configurations leave ranks idle

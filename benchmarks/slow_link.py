@@ -142,7 +142,11 @@ def outer_settings(setting: dict, run: dict):
         return OuterSettings(run["method"])
     tau = setting["overlap_steps"] if run["overlap"] else 0
     return OuterSettings(
-        run["method"], setting["inner_steps"], outer_overlap_steps=tau, routing_seed=0, outer_dtype=run.get("dtype", "float32")
+        run["method"],
+        setting["inner_steps"],
+        outer_overlap_steps=tau,
+        routing_seed=0,
+        outer_dtype=run.get("dtype", "float32"),
     )
 
 
@@ -193,8 +197,8 @@ def reference_step_seconds(reference: dict = REFERENCE_8B) -> float:
 def reference_node_bytes_per_step(reference: dict = REFERENCE_8B) -> float:
     """Bytes per step that leave a node of the 8B reference under NoLoCo with node routing (the outer
     sync)."""
-    from hf_noloco.outer.settings import OuterSettings
     from hf_noloco.estimate.traffic import step_traffic
+    from hf_noloco.outer.settings import OuterSettings
 
     traffic = step_traffic(
         reference["model"],
@@ -333,11 +337,11 @@ def _worker(plan_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hf_noloco.engine.mesh import PipelineMesh
-    from hf_noloco.outer.optimizer import OuterOptimizer
     from hf_noloco.engine.loading import build_stage
+    from hf_noloco.engine.mesh import PipelineMesh
     from hf_noloco.engine.pipeline import PipelineEngine
     from hf_noloco.engine.routing import Router
+    from hf_noloco.outer.optimizer import OuterOptimizer
 
     with open(plan_path) as f:
         plan = json.load(f)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_noloco.engine.buffers import flatten, unflatten_into
+from hf_noloco.engine.comm import peer_call
 from hf_noloco.io.export import save_from_this_rank
 from hf_noloco.rules import PEFT_INSTALL_HINT, check_export_replica, check_lora_values
 
@@ -36,7 +37,9 @@ def _peft():
     try:
         import peft
     except ImportError:
-        raise ImportError(f"LoRA needs the PEFT library, an optional dependency: {PEFT_INSTALL_HINT}.") from None
+        raise ImportError(
+            f"LoRA needs the PEFT library, an optional dependency: {PEFT_INSTALL_HINT}."
+        ) from None
     return peft
 
 
@@ -143,10 +146,12 @@ def consensus_adapters(stage: nn.Module, mesh, replica: int | None = None) -> di
     flat = flatten(list(tensors.values()), torch.float32).to(device)
     if mesh.num_replicas > 1:
         if replica is None:
-            dist.all_reduce(flat, group=mesh.replica_group)
+            with peer_call("the adapters' consensus"):
+                dist.all_reduce(flat, group=mesh.replica_group)
             flat.div_(mesh.num_replicas)
         else:
-            dist.broadcast(flat, src=mesh.rank_of(replica, mesh.stage), group=mesh.replica_group)
+            with peer_call("the adapters' consensus"):
+                dist.broadcast(flat, src=mesh.rank_of(replica, mesh.stage), group=mesh.replica_group)
     out = {name: torch.empty(t.shape, dtype=torch.float32) for name, t in tensors.items()}
     unflatten_into(list(out.values()), flat.cpu())
     return out

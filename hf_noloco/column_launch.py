@@ -1,4 +1,5 @@
-"""``python -m hf_noloco.column_launch``: one launch per replica column (:mod:`hf_noloco.launch.column_launch`)."""
+"""``python -m hf_noloco.column_launch``: one launch per replica column
+(:mod:`hf_noloco.launch.column_launch`)."""
 
 import sys
 

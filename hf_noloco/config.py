@@ -22,6 +22,7 @@ from hf_noloco.outer.settings import OuterSettings
 from hf_noloco.resilience.elastic import join_restartable_group
 from hf_noloco.rules import (
     EXPORT_DTYPES,
+    MASTER_WEIGHTS,
     NONFINITE_ACTIONS,
     PIPELINE_SCHEDULES,
     REPLICA_LOSS_ACTIONS,
@@ -29,6 +30,7 @@ from hf_noloco.rules import (
     ROUTINGS,
     STAGE_BALANCES,
     ExportDtype,
+    MasterWeights,
     NonfiniteAction,
     OuterDtype,
     OuterMethod,
@@ -83,6 +85,14 @@ class NoLoCoConfig(TrainingArguments):
             Rows per pipeline microbatch; must divide `per_device_train_batch_size`. `None` picks the largest
             divisor giving at least `2 * pipeline_stages` microbatches (1 if none does), which keeps the
             pipeline bubble small.
+        verify_split (`bool`, *optional*, defaults to `True`):
+            Before any process trains, prove on a shrunken copy of the model's config (the same model type and
+            every setting that shapes its forward, a few layers, small widths; about a second on one CPU
+            thread, on rank 0) that the composed stages, cut at this run's boundaries, compute the model's own
+            logits, loss and gradients. A model they do not reproduce is refused with one line naming what
+            differs (e.g. `gemma2: final_logit_softcapping is not reproduced by the stages`). `False` skips
+            the proof: the run then trains whatever the stages compute, which for a refused model is another
+            function than the checkpoint's.
         pipeline_schedule (`str`, *optional*, defaults to `"1f1b"`):
             Order of forwards and backwards within a step: `"1f1b"` (a stage holds the activations of at most
             `pipeline_stages - stage` microbatches) or `"gpipe"` (all forwards, then all backwards; holds
@@ -172,6 +182,14 @@ class NoLoCoConfig(TrainingArguments):
             flash_attn package is installed), `revision` (a Hub branch, tag or commit) and
             `trust_remote_code` (run the checkpoint's own modelling code; it must still be a Llama-family
             model).
+        master_weights (`str`, *optional*, defaults to `"float32"`):
+            What the optimizer steps when `model_init_kwargs` asks for bf16 weights: `"float32"` keeps the
+            trained weights in float32 (the master copy) and computes in bf16 under autocast (`bf16` is then
+            set), so updates far below a bf16 weight's precision still add up; frozen weights (the base model
+            under LoRA) stay bf16. Weights, gradients and AdamW state then take 16 bytes per trained
+            parameter, as in float32. `"none"`: pure bf16, 8 bytes per parameter, where an update smaller than
+            half a bf16 step of its weight is rounded away (at a fine-tuning learning rate of 2e-5 most
+            weights never move: see benchmarks/RESULTS.md).
         activation_checkpointing (`bool`, *optional*, defaults to `False`):
             Recompute each decoder layer of a stage in the backward pass (non-reentrant checkpointing) instead
             of keeping its activations: a layer keeps only its input, at the cost of one more forward. Losses
@@ -219,6 +237,7 @@ class NoLoCoConfig(TrainingArguments):
     stage_boundaries: list[int] | None = None
     stage_balance: StageBalance = "layers"
     microbatch_size: int | None = None
+    verify_split: bool = True
     pipeline_schedule: PipelineSchedule = "1f1b"
     p2p_timeout: float = 300.0
     nonfinite: NonfiniteAction = "error"
@@ -236,6 +255,7 @@ class NoLoCoConfig(TrainingArguments):
     outer_dtype: OuterDtype = "float32"
     offload_outer_state: bool = False
     model_init_kwargs: dict | str | None = None
+    master_weights: MasterWeights = "float32"
     # Redeclared to carry this class's --help (TrainingArguments': nargs="?" makes a bare flag mean True).
     activation_checkpointing: bool | None = field(default=None, metadata={"nargs": "?", "const": True})
     loss_chunk_tokens: int | None = 1024
@@ -266,7 +286,9 @@ class NoLoCoConfig(TrainingArguments):
         if self.routing_seed is None:
             self.routing_seed = self.seed
         if self.microbatch_size is None:
-            self.microbatch_size = default_microbatch_size(self.per_device_train_batch_size, self.pipeline_stages)
+            self.microbatch_size = default_microbatch_size(
+                self.per_device_train_batch_size, self.pipeline_stages
+            )
         if self.routing_domain == "node" and self.routing_group_size is None:
             num_replicas, _ = mesh_shape(_world_size(), self.pipeline_stages)
             self.routing_group_size = routing_group_size("node", None, num_replicas, self.pipeline_stages)
@@ -278,7 +300,8 @@ class NoLoCoConfig(TrainingArguments):
 
     @cached_property
     def outer_settings(self) -> OuterSettings:
-        """The outer optimizer's settings, as :class:`~hf_noloco.outer.optimizer.OuterOptimizer` takes them."""
+        """The outer optimizer's settings, as :class:`~hf_noloco.outer.optimizer.OuterOptimizer` takes
+        them."""
         return OuterSettings.of(self)
 
     @cached_property
@@ -309,6 +332,7 @@ def check_config(c) -> None:
     check_choice("pipeline_schedule", c.pipeline_schedule, PIPELINE_SCHEDULES)
     check_choice("stage_balance", c.stage_balance, STAGE_BALANCES)
     check_choice("nonfinite", c.nonfinite, NONFINITE_ACTIONS)
+    check_choice("master_weights", c.master_weights, MASTER_WEIGHTS)
     check_replica_loss(c)
     if not c.p2p_timeout > 0:
         raise ValueError(f"p2p_timeout must be a positive number of seconds, got {c.p2p_timeout!r}.")
@@ -554,5 +578,3 @@ def _check_trainer_extras(c) -> None:
     resume = c.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() not in ("true", "last") and not os.path.isdir(resume):
         raise ValueError(f"resume_from_checkpoint: no such checkpoint folder {resume!r}.")
-
-

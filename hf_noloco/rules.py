@@ -6,7 +6,8 @@ for a recipe user, and by the engine's classes for a direct Python user of ``Pip
 transformers: every other layer imports it, and it imports nothing of the package.
 
 It also holds the one docstring convention of the settings classes (:func:`help_from_docstring`): a field's
-``--help`` text is its entry in the class's ``Parameters:`` section, so there is one text to read in two places.
+``--help`` text is its entry in the class's ``Parameters:`` section, so there is one text to read in two
+places.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ OuterMethod = Literal["noloco", "diloco", "ddp", "local"]
 OuterDtype = Literal["float32", "bfloat16"]
 NonfiniteAction = Literal["error", "skip"]
 ReplicaLossAction = Literal["stop", "continue"]
-# How bf16 weights take their optimizer step (see NoLoCoConfig.bf16_weights_update).
-Bf16WeightsUpdate = Literal["float32_master", "bfloat16"]
+# What the optimizer steps when the weights are bf16 (see NoLoCoConfig.master_weights).
+MasterWeights = Literal["float32", "none"]
 # The weights' dtype (TRL's `dtype`): no float16 without loss scaling; "auto" is the checkpoint's own.
 WeightDtype = Literal["float32", "bfloat16", "auto"]
 ExportDtype = Literal["float32", "bfloat16"]
@@ -47,7 +48,7 @@ OUTER_METHODS: tuple[str, ...] = get_args(OuterMethod)
 OUTER_DTYPES: tuple[str, ...] = get_args(OuterDtype)
 NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonfiniteAction)
 REPLICA_LOSS_ACTIONS: tuple[str, ...] = get_args(ReplicaLossAction)
-BF16_WEIGHTS_UPDATES: tuple[str, ...] = get_args(Bf16WeightsUpdate)
+MASTER_WEIGHTS: tuple[str, ...] = get_args(MasterWeights)
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
 EXPORT_DTYPES: tuple[str, ...] = get_args(ExportDtype)
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
@@ -92,7 +93,11 @@ def check_positive_int(name: str, value, what: str = "") -> None:
 def check_in_range(name: str, value, low: float, high: float, closed_low: bool, closed_high: bool, hint=""):
     """``value`` is a finite number in the interval; ``hint`` ends the message (e.g. the paper's value)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    inside = number and (value >= low if closed_low else value > low) and (value <= high if closed_high else value < high)
+    inside = (
+        number
+        and (value >= low if closed_low else value > low)
+        and (value <= high if closed_high else value < high)
+    )
     if not inside:
         interval = f"{'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
         raise ValueError(f"{name} must be in {interval}, got {value!r}{f' ({hint})' if hint else ''}.")
@@ -182,7 +187,9 @@ def check_model_init_kwargs(kwargs) -> dict:
         except json.JSONDecodeError:
             kwargs = None
     if not isinstance(kwargs, dict):
-        raise ValueError(f'model_init_kwargs must be a mapping such as {{"dtype": "bfloat16"}}, got {kwargs!r}.')
+        raise ValueError(
+            f'model_init_kwargs must be a mapping such as {{"dtype": "bfloat16"}}, got {kwargs!r}.'
+        )
     unknown = sorted(set(kwargs) - set(MODEL_INIT_KEYS))
     if unknown:
         raise ValueError(
@@ -192,7 +199,9 @@ def check_model_init_kwargs(kwargs) -> dict:
     if kwargs.get("dtype") is not None:
         dtype = str(kwargs["dtype"]).removeprefix("torch.")
         if dtype in ("float16", "half"):
-            raise ValueError("dtype float16 is not supported (the pipeline has no loss scaling): use bfloat16.")
+            raise ValueError(
+                "dtype float16 is not supported (the pipeline has no loss scaling): use bfloat16."
+            )
         check_choice("dtype", dtype, WEIGHT_DTYPES)
         checked["dtype"] = dtype
     if kwargs.get("attn_implementation") is not None:
@@ -243,7 +252,9 @@ def routing_group_size(
             )
         group_size = min(max(procs_per_node // pipeline_stages, 1), num_replicas)
     if num_replicas % group_size:
-        raise ValueError(f"routing_group_size={group_size} does not divide the {num_replicas} replicas per stage.")
+        raise ValueError(
+            f"routing_group_size={group_size} does not divide the {num_replicas} replicas per stage."
+        )
     return group_size
 
 
@@ -260,7 +271,9 @@ def check_streamed_training(max_steps: int, dataloader_num_workers: int) -> None
 
 def check_merge_adapter(merge_adapter: bool, uses_adapters: bool) -> None:
     if merge_adapter and not uses_adapters:
-        raise ValueError("merge_adapter=True merges LoRA adapters into the model: it needs use_peft (a peft_config).")
+        raise ValueError(
+            "merge_adapter=True merges LoRA adapters into the model: it needs use_peft (a peft_config)."
+        )
 
 
 def is_local_dataset_path(name: str) -> bool:

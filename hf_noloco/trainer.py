@@ -8,14 +8,9 @@ they delegate to: the engine (stage, pipeline, tied embeddings), the outer optim
 (:mod:`hf_noloco.resilience.policy`), and the components (loaders, column statistics, metrics, checkpoints,
 the export).
 
-Gradient clipping uses the norm over the whole replica column (all stages of one replica), so a column clips
-like the unsplit model would (:mod:`hf_noloco.components.column_stats`).
-
-Failures: every wait of the training loop is bounded by ``p2p_timeout``, and every collective goes through
-:mod:`hf_noloco.engine.comm`, so a lost peer is a :class:`~hf_noloco.engine.comm.PeerError`. A rank whose
-communication fails finds the peers that stopped responding through heartbeats in the rendezvous store
-(:class:`~hf_noloco.resilience.watch.PeerWatch`); the first failure of the job is kept there and added to the
-errors of the ranks that fail after it, so each rank's log names the root cause.
+Failures: every wait of the training loop is bounded by ``p2p_timeout`` and every collective goes through
+:mod:`hf_noloco.engine.comm`, so a lost peer is a :class:`~hf_noloco.engine.comm.PeerError`; the heartbeats of
+:class:`~hf_noloco.resilience.watch.PeerWatch` name the peers that stopped, and the job's first failure.
 """
 
 from __future__ import annotations
@@ -25,8 +20,6 @@ import logging
 import math
 import os
 import sys
-import time
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,25 +31,27 @@ from transformers import PretrainedConfig, PreTrainedModel, Trainer, default_dat
 from hf_noloco import adapters
 from hf_noloco.components.checkpointer import RunCheckpointer
 from hf_noloco.components.column_stats import clip_gradients_, column_stats, nonfinite_report
-from hf_noloco.components.exporter import export_run, write_model_card
+from hf_noloco.components.evaluation import evaluate_pipeline
+from hf_noloco.components.exporter import export_run, push_export, write_model_card
+from hf_noloco.components.inputs import check_dataset_size, check_trainer_inputs
 from hf_noloco.components.loaders import ReplicaLoaders
-from hf_noloco.components.metrics import Throughput, outer_log_entries, perplexity, replica_divergence
-from hf_noloco.components.run_record import RunConfigCallback
+from hf_noloco.components.metrics import Throughput, mean_training_loss, outer_log_entries, replica_divergence
+from hf_noloco.components.run_record import RunConfigCallback, finish_wandb
 from hf_noloco.config import NoLoCoConfig
 from hf_noloco.data.streaming import TokenStream
-from hf_noloco.engine.comm import PeerError, collective, free_port, is_lost_peer, peer_call
-from hf_noloco.engine.loading import stage_from_source
-from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.engine.comm import PeerError, is_lost_peer
+from hf_noloco.engine.fidelity import verify_split
+from hf_noloco.engine.loading import keep_float32_masters, stage_from_source
+from hf_noloco.engine.mesh import PipelineMesh, ensure_process_group
 from hf_noloco.engine.pipeline import PipelineEngine
 from hf_noloco.engine.routing import Router
 from hf_noloco.engine.tied import TiedEmbeddings
 from hf_noloco.io import checkpoint
-from hf_noloco.io.hub import check_hub_settings, push_folder_to_hub
+from hf_noloco.io.hub import check_hub_settings
 from hf_noloco.outer.optimizer import OuterOptimizer, broadcast_replica_weights
 from hf_noloco.resilience import elastic
 from hf_noloco.resilience.membership import ReplicaDropped
 from hf_noloco.resilience.policy import replica_loss_policy
-from hf_noloco.rules import check_merge_adapter, check_streamed_training
 
 if TYPE_CHECKING:
     from hf_noloco.launch.arguments import DataArguments
@@ -86,12 +81,12 @@ class NoLoCoTrainer(Trainer):
             config.
         peft_config: a ``peft.LoraConfig`` (as TRL's ``SFTTrainer`` takes it): each stage gets LoRA adapters,
             only they train and cross the network, and the export is a PEFT adapter (or the merged model with
-            ``merge_adapter``). ``model`` must then be a Hub id or folder. :func:`hf_noloco.lora_config` builds
-            one from TRL's option names.
+            ``merge_adapter``). ``model`` must then be a Hub id or folder. :func:`hf_noloco.lora_config`
+            builds one from TRL's option names.
         Other arguments are the Trainer's. ``data_collator`` defaults to ``default_data_collator`` (packed
             blocks, padded rows). ``train_dataset`` / ``eval_dataset`` may be
-            :class:`~hf_noloco.data.streaming.TokenStream` s (``max_steps`` needed): each replica then reads its
-            own shard, and a checkpoint records its position. ``compute_metrics`` and
+            :class:`~hf_noloco.data.streaming.TokenStream` s (``max_steps`` needed): each replica then reads
+            its own shard, and a checkpoint records its position. ``compute_metrics`` and
             ``preprocess_logits_for_metrics`` are refused: evaluation computes the loss and perplexity inside
             the pipeline, and no rank ever holds a batch's logits whole.
     """
@@ -110,12 +105,17 @@ class NoLoCoTrainer(Trainer):
         peft_config=None,
         **kwargs,
     ):
-        _check_inputs(model, args, train_dataset, peft_config, kwargs)
-        _ensure_process_group(args)
+        if not isinstance(args, NoLoCoConfig):
+            raise TypeError(f"NoLoCoTrainer needs a NoLoCoConfig, got {type(args).__name__}.")
+        check_trainer_inputs(model, args, train_dataset, peft_config, kwargs)
+        args._setup_devices  # noqa: B018 - joins the process group when launched (Accelerate)
+        ensure_process_group(args.ddp_timeout)  # a plain `python script.py`: a one-process group
         # Set-up (loading a stage, the first broadcast) may be slow on some nodes: ddp_timeout until training.
         self.mesh = PipelineMesh.build(args.pipeline_stages, device=args.device, timeout=args.ddp_timeout)
         self.base_model = (
-            model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+            model
+            if isinstance(model, str)
+            else getattr(getattr(model, "config", None), "_name_or_path", None)
         ) or None
         self.data_args = data_args
         built = stage_from_source(
@@ -127,6 +127,7 @@ class NoLoCoTrainer(Trainer):
             args.stage_balance,
             args.seed,
             args.model_init_kwargs,
+            check=(lambda config: self._verify_split(config, args)) if args.verify_split else None,
         )
         stage = built.stage
         self.base_model_folder = built.folder  # a fine-tuned checkpoint's files (its card, its license)
@@ -134,6 +135,8 @@ class NoLoCoTrainer(Trainer):
         # The LoraConfig with its target modules resolved, once the adapters exist.
         self.peft_config = adapters.add_adapters(stage, peft_config, seed=args.seed) if peft_config else None
         self.export_config = copy.deepcopy(stage.config)  # before the Trainer switches off use_cache
+        if args.master_weights == "float32" and keep_float32_masters(stage):
+            args.bf16, args.mixed_precision = True, "bf16"  # compute in bf16, as the weights' dtype asked
         if args.torch_compile:  # per decoder layer: the stage's own code (masks, routing) stays eager
             for layer in stage.model.layers.values():
                 layer.compile(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
@@ -142,7 +145,7 @@ class NoLoCoTrainer(Trainer):
         broadcast_replica_weights(stage if trained is None else nn.ParameterList(trained), self.mesh)
         self.tied = TiedEmbeddings(stage, self.mesh)
         self.tied.check_equal()
-        _check_dataset_size(train_dataset, self.mesh.num_replicas * args.per_device_train_batch_size)
+        check_dataset_size(train_dataset, self.mesh.num_replicas * args.per_device_train_batch_size)
         super().__init__(
             model=stage,
             args=args,
@@ -154,14 +157,17 @@ class NoLoCoTrainer(Trainer):
             optimizers=optimizers,
             **kwargs,
         )
-        router = Router(self.mesh.num_replicas, args.routing, args.routing_seed, group_size=args.routing_group_size)
+        router = Router(
+            self.mesh.num_replicas, args.routing, args.routing_seed, group_size=args.routing_group_size
+        )
         self.engine = PipelineEngine(
             self.model,
             self.mesh,
             router,
             args.microbatch_size,
             p2p_timeout=args.p2p_timeout,
-            # Accelerate's autocast: bf16 mixed precision when `bf16=True` (the Trainer's helper is a no-op in v5).
+            # Accelerate's autocast: bf16 mixed precision when `bf16=True` (the Trainer's helper is a no-op in
+            # v5).
             autocast=lambda: self.accelerator.autocast(),
             schedule=args.pipeline_schedule,
             loss_chunk_tokens=args.loss_chunk_tokens,
@@ -191,6 +197,11 @@ class NoLoCoTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------- set-up
 
+    def _verify_split(self, config, args: NoLoCoConfig) -> None:
+        trust = (args.model_init_kwargs or {}).get("trust_remote_code", False)
+        boundaries, balance = args.stage_boundaries, args.stage_balance
+        verify_split(config, self.mesh.num_stages, boundaries, balance, args.loss_chunk_tokens, trust)
+
     def get_total_train_batch_size(self, args) -> int:
         # The stages of a replica share its batch: the global batch counts replicas, not processes.
         return args.per_device_train_batch_size * self.mesh.num_replicas
@@ -215,12 +226,15 @@ class NoLoCoTrainer(Trainer):
                 p2p_timeout=self.args.p2p_timeout,
                 tied_weight=self.tied.weight if self.tied.trains else None,
                 tied_mirror=self.tied.is_mirror,
+                tied_peer=self.tied.peer if self.tied.trains else None,
             )
             self.optimizer = self.outer
             # While the live replicas change there is no averaging; a partner lost mid-exchange is the
             # policy's to handle ("stop": an error).
             self.outer.exchange_allowed = lambda: not self.replica_loss.offline
-            self.outer.on_lost_partner = lambda exc: self.replica_loss.lost_partner(exc, self.state.global_step + 1)
+            self.outer.on_lost_partner = lambda exc: self.replica_loss.lost_partner(
+                exc, self.state.global_step + 1
+            )
             if self.outer.settings.has_outer_step:
                 dtype = self.outer.settings.outer_dtype
                 logger.info(
@@ -238,16 +252,22 @@ class NoLoCoTrainer(Trainer):
             raise ValueError("NoLoCoTrainer.train() needs a train_dataset.")
         # Rows per replica column are per_device_train_batch_size, however the process was started (the
         # Trainer's _train_batch_size multiplies it by the GPUs a plain `python` launch sees).
-        return self.loaders.loader(self._columns(self.train_dataset, "training"), self.args.per_device_train_batch_size, True)
+        return self.loaders.loader(
+            self._columns(self.train_dataset, "training"), self.args.per_device_train_batch_size, True
+        )
 
     def get_eval_dataloader(self, eval_dataset=None):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset.")
-        return self.loaders.loader(self._columns(dataset, "evaluation"), self.args.per_device_eval_batch_size, False)
+        return self.loaders.loader(
+            self._columns(dataset, "evaluation"), self.args.per_device_eval_batch_size, False
+        )
 
     def _columns(self, dataset, description: str):
-        return dataset if isinstance(dataset, TokenStream) else self._remove_unused_columns(dataset, description)
+        return (
+            dataset if isinstance(dataset, TokenStream) else self._remove_unused_columns(dataset, description)
+        )
 
     # ---------------------------------------------------------------------------------------- training
 
@@ -259,7 +279,7 @@ class NoLoCoTrainer(Trainer):
         Workers that a launcher restarted after a worker of the job failed (``torchrun --max-restarts N``,
         ``accelerate launch --max_restarts N``) resume from the newest intact checkpoint in ``output_dir`` by
         themselves, or start over when the failed attempt saved none."""
-        restarted = not resume_from_checkpoint and self._agreed_restart()
+        restarted = not resume_from_checkpoint and elastic.agreed_restart(self.mesh)
         if restarted:
             logger.warning(
                 "%s: a restart of this job: resuming from the newest intact checkpoint in %s, if any.",
@@ -283,23 +303,13 @@ class NoLoCoTrainer(Trainer):
             self.close_watchers()
             raise
         except Exception as exc:  # re-raised, with the job's first failure added
-            error = self._with_root_cause(exc)
+            error = self.replica_loss.watch.with_root_cause(exc, self.mesh, min(self.args.p2p_timeout, 5.0))
             self.replica_loss.watch.close()  # the diagnosis is done: no more heartbeats, and a clean exit
             if is_lost_peer(exc):
                 self.replica_loss.watch.hold_store_at_exit()
             if error is exc:
                 raise
             raise error from exc
-
-    def _agreed_restart(self) -> bool:
-        """Whether a launcher's agent restarted this job's workers, the same answer on every rank: each agent
-        counts its own restarts, so one node's workers may not know that the job restarted (elastic.py)."""
-        if not elastic.restartable():
-            return False  # no agent that restarts workers: no collective
-        views: list = [None] * self.mesh.world_size
-        with peer_call(f"{self.mesh.describe()}: agreeing whether the job was restarted"):
-            dist.all_gather_object(views, elastic.is_restart())
-        return any(views)
 
     def _verified_checkpoint(self, requested, restarted: bool):
         if requested is not True:
@@ -309,30 +319,20 @@ class NoLoCoTrainer(Trainer):
         if found is None and not restarted:  # a restart before any save starts over
             raise ValueError(f"resume_from_checkpoint=True: {self.args.output_dir} holds no checkpoint.")
         if restarted and self.mesh.rank == 0:
-            logger.warning("Restarted job: %s", f"resuming {found}." if found else "no checkpoint yet, starting over.")
+            logger.warning(
+                "Restarted job: %s", f"resuming {found}." if found else "no checkpoint yet, starting over."
+            )
         return found
-
-    def _with_root_cause(self, exc: Exception) -> Exception:
-        """Records this failure as the job's first unless another rank's came first. A communication error
-        comes back as a PeerError that names the peers that stopped responding, or the first failure of the
-        job."""
-        mine = f"{self.mesh.describe()}: {type(exc).__name__}: {exc}"[:4000]
-        lost = is_lost_peer(exc)
-        first = self.replica_loss.watch.diagnose(
-            mine, self.mesh.describe_rank, find_lost=lost, timeout=min(self.args.p2p_timeout, 5.0)
-        )
-        if first is None or not lost or first == mine:
-            return exc
-        if first.startswith(mine):  # this rank was first: its message plus the peers it lost
-            return PeerError(first)
-        return PeerError(f"{mine}\nThe first failure in this job was on {first}")
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.replica_loss.begin_step()
         step = self.state.global_step + 1
         counters = (self.engine.step_index, self.engine.samples_seen)
         return self.replica_loss.tolerate(
-            f"step {step}", lambda: self._training_step(inputs, step), lambda: self._skip_step(counters, inputs), step
+            f"step {step}",
+            lambda: self._training_step(inputs, step),
+            lambda: self._skip_step(counters, inputs),
+            step,
         )
 
     def _skip_step(self, counters: tuple[int, int], inputs) -> torch.Tensor:
@@ -352,7 +352,9 @@ class NoLoCoTrainer(Trainer):
         among them, and routing drawn over them (gossip draws over ``mesh.live_replicas`` by itself)."""
         self.mesh.regroup(live)
         args = self.args
-        self.engine.router = Router(self.mesh.num_replicas, args.routing, args.routing_seed, live=self.mesh.live_replicas)
+        self.engine.router = Router(
+            self.mesh.num_replicas, args.routing, args.routing_seed, live=self.mesh.live_replicas
+        )
         self.mesh.set_timeout(args.p2p_timeout)
 
     def _training_step(self, inputs, step: int) -> torch.Tensor:
@@ -377,16 +379,18 @@ class NoLoCoTrainer(Trainer):
         within p2p_timeout on their next message to this column, naming this error."""
         if self.args.nonfinite == "error":
             raise FloatingPointError(
-                f"{what}. Stopping (nonfinite='error'); the checkpoints already written are complete: resume "
-                "from the last one (perhaps with a lower learning rate), or set nonfinite='skip' to skip such "
-                "steps."
+                f"{what}. Stopping (nonfinite='error'); the checkpoints already written are complete: "
+                "resume from the last one (perhaps with a lower learning rate), or set nonfinite='skip' to "
+                "skip such steps."
             )
         # Skip: drop the gradients. Optimizers leave a parameter without a gradient (and its state) untouched,
         # while OuterOptimizer.step() still counts the step, so outer steps stay aligned with other replicas.
         for p in self.model.parameters():
             p.grad = None
         if self.mesh.is_first_stage:  # one warning per column
-            logger.warning("%s. Skipping this step on replica %d (nonfinite='skip').", what, self.mesh.replica)
+            logger.warning(
+                "%s. Skipping this step on replica %d (nonfinite='skip').", what, self.mesh.replica
+            )
 
     def _column_grad_norm(self) -> torch.Tensor:
         if self._grad_norm is None:  # only outside the training loop: training_step computes it
@@ -412,7 +416,11 @@ class NoLoCoTrainer(Trainer):
             if every is not None and step - self._last_divergence_step >= every:
                 logs.update(self._divergence())
                 self._last_divergence_step = step
-            logs.update(outer_log_entries(self.outer, lambda t: self._live_sum(t, "all-reduce of the logging statistics")))
+            logs.update(
+                outer_log_entries(
+                    self.outer, lambda t: self._live_sum(t, "all-reduce of the logging statistics")
+                )
+            )
             logs.update(self.throughput.log_entries())
         if self.loaders.train_stream is not None and self.state.max_steps:
             # A stream has no length: the Trainer's epoch is the fraction of max_steps, which it would restart
@@ -431,17 +439,11 @@ class NoLoCoTrainer(Trainer):
     def _maybe_log_save_evaluate(
         self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
     ):
-        # The Trainer averages the logged loss with an all_gather over the default group, which a lost peer
-        # leaves unbounded and which holds the lost ranks once on_replica_loss="continue" dropped some: the
-        # same average here, through our own bounded sum over the live ranks. Steps a rank skipped (a replica
-        # lost meanwhile) added 0 to its loss and are left out of the mean.
+        # The logged loss through our own bounded sum over the live ranks (components.metrics says why).
         window = self.state.global_step - self._globalstep_last_logged
         if self.control.should_log and window > 0:
-            stats = torch.tensor(
-                [tr_loss.item(), window - self._skipped_since_log], dtype=torch.float64, device=self.args.device
-            )
-            self._live_sum(stats, "all-reduce of the training loss")
-            loss = (stats[0] / stats[1]).item() if stats[1] > 0 else float("nan")
+            loss_sum = lambda t: self._live_sum(t, "all-reduce of the training loss")
+            loss = mean_training_loss(tr_loss, window, self._skipped_since_log, loss_sum)
             tr_loss -= tr_loss
             self._skipped_since_log = 0
             logs = {"loss": loss}
@@ -466,7 +468,9 @@ class NoLoCoTrainer(Trainer):
     # -------------------------------------------------------------------------------------- evaluation
 
     @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         """Perplexity pooled over all live replicas' shards, each replica column evaluated as one model (fixed
         routing). Also the exact replica divergence, unless ``divergence_steps`` schedules it elsewhere. Under
         ``on_replica_loss="continue"`` an evaluation that a lost replica interrupts returns ``{}``."""
@@ -478,39 +482,14 @@ class NoLoCoTrainer(Trainer):
         def run() -> dict:
             if self.replica_loss.continues:
                 self.replica_loss.barrier()  # every live rank evaluates in the same view
-            return self._evaluate_pipeline(eval_dataset, metric_key_prefix)
+            return evaluate_pipeline(self, eval_dataset, metric_key_prefix)
 
         return self.replica_loss.tolerate("evaluation", run, interrupted, self.state.global_step)
 
-    def _evaluate_pipeline(self, eval_dataset, metric_key_prefix: str) -> dict[str, float]:
-        self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
-        start = time.monotonic()
-        loader = self.get_eval_dataloader(eval_dataset)
-        self.callback_handler.eval_dataloader = loader  # the progress bar's length (shown on rank 0)
-        for batch in loader:
-            loss_sum, tokens = self.engine.eval_step(batch)
-            totals += torch.tensor([loss_sum, tokens], dtype=torch.float64, device=totals.device)
-            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-        if self.mesh.num_live_replicas > 1:
-            what = f"{self.mesh.describe()}: all-reduce of the evaluation loss"
-            collective(dist.all_reduce, totals, group=self.mesh.replica_group, timeout=self.mesh.timeout, what=what)
-        loss_sum, tokens = totals.tolist()
-        metrics = {
-            f"{metric_key_prefix}_loss": loss_sum / max(tokens, 1),
-            f"{metric_key_prefix}_perplexity": perplexity(loss_sum, max(tokens, 1)),
-            f"{metric_key_prefix}_tokens": int(tokens),
-            f"{metric_key_prefix}_runtime": time.monotonic() - start,
-        }
-        if self.args.divergence_steps is None:
-            metrics.update(self._divergence())
-        self.model.train()
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
-
     def predict(self, *args, **kwargs):
-        raise NotImplementedError("NoLoCoTrainer does not support predict(); export the model and use it directly.")
+        raise NotImplementedError(
+            "NoLoCoTrainer does not support predict(); export the model and use it directly."
+        )
 
     # ------------------------------------------------------------------------------------- checkpoints
 
@@ -525,7 +504,9 @@ class NoLoCoTrainer(Trainer):
             if best == self.state.global_step or os.path.isdir(folder):
                 self.state.best_model_checkpoint = folder  # recorded, and kept by save_total_limit
         step = self.state.global_step
-        self.replica_loss.tolerate(f"checkpoint-{step}", lambda: self.checkpointer.save(run_dir), lambda: None, step)
+        self.replica_loss.tolerate(
+            f"checkpoint-{step}", lambda: self.checkpointer.save(run_dir), lambda: None, step
+        )
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         self.checkpointer.load_model_state(resume_from_checkpoint)
@@ -572,39 +553,27 @@ class NoLoCoTrainer(Trainer):
         pass  # checkpoints are per-rank shards; only the exported model is pushed
 
     def push_to_hub(
-        self, commit_message: str | None = "End of training", blocking: bool = True, token=None, revision=None, **kwargs
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token=None,
+        revision=None,
+        **kwargs,
     ) -> str | None:
         """Exports to ``output_dir`` (collective) and uploads it from the leader rank."""
         self.save_model(self.args.output_dir)
-        url = None
-        with self.mesh.patient(self.args.ddp_timeout):  # the others wait while the leader uploads
-            if self.mesh.is_leader:
-                url = push_folder_to_hub(
-                    self.args.output_dir,
-                    self.hub_model_id or self.args.hub_model_id,
-                    token=token or self.args.hub_token,
-                    private=self.args.hub_private_repo,
-                    commit_message=commit_message or "End of training",
-                    revision=revision or self.args.hub_revision,
-                )
-            self.replica_loss.barrier()
-        return url
+        return push_export(self, commit_message or "End of training", token, revision)
 
     def close_watchers(self) -> None:
         """Stops the heartbeat (and, under ``on_replica_loss="continue"``, the membership watch)."""
         self.replica_loss.close()
 
     def end(self):
-        """Finishes the wandb run (the Trainer never does) and destroys the process group. After a replica loss
+        """Finishes the wandb run (the Trainer never does) and destroys the process group. After a replica
+        loss
         (``on_replica_loss="continue"``) this process ends here, with status 0: see below."""
         if self.is_world_process_zero():
-            try:
-                import wandb
-
-                if wandb.run is not None:
-                    wandb.finish()
-            except ImportError:
-                pass
+            finish_wandb()
         try:
             self.replica_loss.barrier()
         except PeerError:  # a rank lost at the very end: nothing left to wait for
@@ -623,49 +592,3 @@ class NoLoCoTrainer(Trainer):
             os._exit(0)
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _check_inputs(model, args: NoLoCoConfig, train_dataset, peft_config, kwargs: dict) -> None:
-    if not isinstance(args, NoLoCoConfig):
-        raise TypeError(f"NoLoCoTrainer needs a NoLoCoConfig, got {type(args).__name__}.")
-    check_merge_adapter(args.merge_adapter, peft_config is not None)
-    if peft_config is not None:
-        if args.on_replica_loss == "continue":
-            raise ValueError("on_replica_loss='continue' does not support LoRA adapters (use_peft) yet.")
-        if type(peft_config).__name__ != "LoraConfig":
-            raise TypeError(f"peft_config must be a peft.LoraConfig, got {type(peft_config).__name__}.")
-        if not isinstance(model, str):
-            raise ValueError(
-                "LoRA adapters fine-tune a pretrained checkpoint: pass its Hub id or folder as the model (the "
-                "export refers to it, and merge_adapter reads its weights)."
-            )
-    if isinstance(train_dataset, TokenStream):
-        check_streamed_training(args.max_steps, args.dataloader_num_workers)
-    for name in ("compute_metrics", "preprocess_logits_for_metrics", "model_init"):
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"{name} is not supported by NoLoCoTrainer: evaluation computes loss and perplexity inside the "
-                "pipeline (no rank holds a batch's logits whole); the model is given directly."
-            )
-
-
-def _check_dataset_size(dataset, needed: int) -> None:
-    if dataset is not None and hasattr(dataset, "__len__") and len(dataset) < needed:
-        raise ValueError(
-            f"The training set has {len(dataset)} samples, fewer than one batch per replica ({needed}: replicas "
-            "x per_device_train_batch_size). Use more data or a smaller batch."
-        )
-
-
-def _ensure_process_group(args: NoLoCoConfig) -> None:
-    """Accelerate initialises the process group when launched; a plain ``python script.py`` gets a
-    one-process gloo group so that the same code paths run."""
-    args._setup_devices  # noqa: B018 - initialises torch.distributed under accelerate/torchrun
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{free_port()}",
-            rank=0,
-            world_size=1,
-            timeout=timedelta(seconds=args.ddp_timeout),
-        )

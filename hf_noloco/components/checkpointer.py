@@ -1,5 +1,6 @@
 """What a NoLoCo checkpoint holds of a run, written and read for the trainer: each rank's stage replica, its
-optimizer and pipeline state, and the run's shared state (the Trainer's state, the scheduler, the mesh record).
+optimizer and pipeline state, and the run's shared state (the Trainer's state, the scheduler, the mesh
+record).
 
 The file layout, the atomic rename and the checksums are :mod:`hf_noloco.io.checkpoint`'s.
 """

@@ -49,9 +49,8 @@ def nonfinite_report(stats: torch.Tensor, mesh: PipelineMesh, step: int) -> str 
     values = stats.tolist()
     problems = []
     if not math.isfinite(values[0]):
-        problems.append(
-            f"a non-finite loss ({values[0]}) on stage {last}, replica {replica} (rank {mesh.rank_of(replica, last)})"
-        )
+        where = f"stage {last}, replica {replica} (rank {mesh.rank_of(replica, last)})"
+        problems.append(f"a non-finite loss ({values[0]}) on {where}")
     bad = [s for s in range(mesh.num_stages) if not math.isfinite(values[1 + s])]
     if bad:
         where = ", ".join(f"stage {s}, replica {replica} (rank {mesh.rank_of(replica, s)})" for s in bad)

@@ -1,4 +1,5 @@
-"""What ``NoLoCoTrainer.save_model`` writes: the consensus model (or the LoRA adapters) as one ordinary Hugging
+"""What ``NoLoCoTrainer.save_model`` writes: the consensus model (or the LoRA adapters) as one ordinary
+Hugging
 Face checkpoint, with its tokenizer, model card and training curves. Collective: every rank calls
 :func:`export_run`.
 """
@@ -13,6 +14,7 @@ from hf_noloco import adapters
 from hf_noloco.components.run_record import run_settings, wandb_url
 from hf_noloco.io.card import PLOT_FILE, plot_training_curves, render_model_card
 from hf_noloco.io.export import gather_full_state_dict, save_consensus_checkpoint
+from hf_noloco.io.hub import push_folder_to_hub
 from hf_noloco.rules import BUILTIN_DATASET
 
 
@@ -48,6 +50,25 @@ def export_run(trainer, output_dir: str) -> None:
             if path is not None:
                 write_model_card(trainer, output_dir)
         trainer.replica_loss.barrier()
+
+
+def push_export(trainer, commit_message: str, token=None, revision=None) -> str | None:
+    """Uploads the export in ``output_dir`` from the leader rank while the others wait (collective); returns
+    the commit's URL on the leader."""
+    args, mesh = trainer.args, trainer.mesh
+    url = None
+    with mesh.patient(args.ddp_timeout):
+        if mesh.is_leader:
+            url = push_folder_to_hub(
+                args.output_dir,
+                trainer.hub_model_id or args.hub_model_id,
+                token=token or args.hub_token,
+                private=args.hub_private_repo,
+                commit_message=commit_message,
+                revision=revision or args.hub_revision,
+            )
+        trainer.replica_loss.barrier()
+    return url
 
 
 def _evaluation_split(eval_dataset) -> str | None:

@@ -8,11 +8,10 @@ The free per-outer-step estimate of the divergence lives with the outer step (``
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
-
-import time
 
 from hf_noloco.engine.buffers import consecutive_buckets, flatten
 from hf_noloco.engine.comm import collective
@@ -84,7 +83,9 @@ def replica_divergence(module: torch.nn.Module, mesh: PipelineMesh) -> dict[str,
 def _all_reduce(tensor: torch.Tensor, group, timeout: float) -> None:
     # Through comm: a lost member is a PeerError, and under on_replica_loss="continue" a change of the live
     # replicas interrupts the wait.
-    collective(dist.all_reduce, tensor, group=group, timeout=timeout, what="the replica-divergence all-reduce")
+    collective(
+        dist.all_reduce, tensor, group=group, timeout=timeout, what="the replica-divergence all-reduce"
+    )
 
 
 def _rms(sq_sum: float, numel: float, num_replicas: int) -> float:
@@ -129,3 +130,13 @@ def outer_log_entries(outer, live_sum) -> dict[str, float]:
     if stats[1] > 0:
         entries["replica_divergence_estimate"] = (stats[0] / stats[1]).item()
     return entries
+
+
+def mean_training_loss(tr_loss: torch.Tensor, window: int, skipped: int, live_sum) -> float:
+    """The logged training loss: the mean over the live ranks and the last ``window`` steps of their column
+    losses, through ``live_sum`` (our bounded sum over the live ranks, where the Trainer's own gather over the
+    default group would wait unbounded for a lost peer). Steps a rank skipped (a replica lost meanwhile) added
+    0 to its loss and are left out of the mean."""
+    stats = torch.tensor([tr_loss.item(), window - skipped], dtype=torch.float64, device=tr_loss.device)
+    live_sum(stats)
+    return (stats[0] / stats[1]).item() if stats[1] > 0 else float("nan")

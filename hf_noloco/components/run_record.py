@@ -1,4 +1,5 @@
-"""The run's settings as the model card and the wandb run show them, and the callback that gives them to wandb.
+"""The run's settings as the model card and the wandb run show them, and the callback that gives them to
+wandb.
 
 The Trainer's own wandb callback records the ``TrainingArguments`` and the model config; this one adds the
 mesh, routing, outer and data settings under ``noloco`` and ``data``, and says how wandb summarises NoLoCo's
@@ -58,6 +59,17 @@ def run_settings(trainer) -> dict:
         "export": trainer.export_kind,
     }
     return {k: getattr(v, "value", v) for k, v in settings.items()}
+
+
+def finish_wandb() -> None:
+    """Finishes this process's wandb run, if any (the Trainer never does: an offline run writes its records
+    only then)."""
+    try:
+        import wandb
+    except ImportError:
+        return
+    if wandb.run is not None:
+        wandb.finish()
 
 
 def wandb_url() -> str | None:

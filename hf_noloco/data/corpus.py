@@ -223,5 +223,3 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, output_dir
     if output_dir is not None:
         fast.save_pretrained(output_dir)
     return fast
-
-

@@ -1,7 +1,7 @@
 """Datasets: loading (Hub, local files, the built-in corpus of :mod:`hf_noloco.data.corpus`), packing and
 padding, and the training and evaluation sets of a run. How one row becomes tokens and labels is
-:mod:`hf_noloco.data.encoding`'s job; streamed data is :mod:`hf_noloco.data.streaming`'s (:func:`prepare_streams`
-builds it).
+:mod:`hf_noloco.data.encoding`'s job; streamed data is :mod:`hf_noloco.data.streaming`'s
+(:func:`prepare_streams` builds it).
 
 Every function here is deterministic: the same inputs give the same rows in the same order on every rank
 and every machine, so each process of a multi-process job can call them (the caller may wrap them in
@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict
 
-from hf_noloco.rules import BUILTIN_DATASET, is_local_dataset_path
 from hf_noloco.data.corpus import builtin_corpus, train_bpe_tokenizer  # noqa: F401 - re-exported
 from hf_noloco.data.encoding import DocumentEncoder, dataset_format, make_encoder, pad_row, set_pad_token
 from hf_noloco.data.streaming import TokenStream
+from hf_noloco.rules import BUILTIN_DATASET, is_local_dataset_path
 
 # File types `load_text_dataset` reads, mapped to the `datasets` packaged builder that reads them.
 _BUILDER_BY_EXTENSION = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}

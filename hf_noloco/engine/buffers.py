@@ -25,8 +25,6 @@ def unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         offset += t.numel()
 
 
-
-
 def consecutive_buckets(sizes: Sequence[int], limit: float) -> list[list[int]]:
     """Indices of consecutive items grouped so that each group's total size stays within ``limit`` (an item
     larger than ``limit`` gets a group of its own): one message per group instead of one per tensor."""

@@ -25,7 +25,8 @@ class PeerError(RuntimeError):
 
 
 class ViewChange(PeerError):
-    """A wait given up because the run's live replicas are changing (:mod:`hf_noloco.resilience.membership`)."""
+    """A wait given up because the run's live replicas are changing
+    (:mod:`hf_noloco.resilience.membership`)."""
 
 
 # What a failed communication call raises once it went through this module: ours, and NCCL's own type.

@@ -2,8 +2,8 @@
 
 The model is built on the meta device, split, and only this process's stage is materialised: filled from the
 checkpoint's safetensors files (only its own tensors are read) or initialised with the model's own
-initialisation. Non-persistent buffers (rotary frequencies, Gemma's embedding scale), which no checkpoint holds,
-are computed by the model's own ``_init_weights``, as ``from_pretrained`` computes them.
+initialisation. Non-persistent buffers (rotary frequencies, Gemma's embedding scale), which no checkpoint
+holds, are computed by the model's own ``_init_weights``, as ``from_pretrained`` computes them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,9 +121,9 @@ def load_stage_weights(stage: PipelineStage, checkpoint: str | os.PathLike) -> N
         if source not in files:
             raise ValueError(
                 f"{os.fspath(checkpoint)} holds no tensor {name}, which this stage of a "
-                f"{stage.config.model_type} model needs: the checkpoint was saved in another layout (transformers "
-                "converts some families' checkpoints, mixture-of-experts among them, when it loads them, and "
-                "hf_noloco reads the tensors by name)."
+                f"{stage.config.model_type} model needs: the checkpoint was saved in another layout "
+                "(transformers converts some families' checkpoints, mixture-of-experts among them, when it "
+                "loads them, and hf_noloco reads the tensors by name)."
             )
         by_file.setdefault(files[source], []).append((name, source))
     with torch.no_grad():
@@ -204,17 +204,20 @@ def stage_from_source(
     stage_balance: str,
     seed: int,
     model_init_kwargs: dict | None = None,
+    check: Callable[[PretrainedConfig], None] | None = None,
 ) -> BuiltStage:
     """This process's stage of ``model``: a Hub id or local folder (fine-tuning: only the stage's tensors are
-    read), a ``PretrainedConfig`` (from scratch: built on the meta device, the stage initialised with ``seed``)
-    or a model instance (split in memory). ``model_init_kwargs`` as :class:`~hf_noloco.NoLoCoConfig` holds
-    them (not for an instance, which is already built)."""
+    read), a ``PretrainedConfig`` (from scratch: built on the meta device, the stage initialised with
+    ``seed``) or a model instance (split in memory). ``model_init_kwargs`` as :class:`~hf_noloco.NoLoCoConfig`
+    holds them (not for an instance, which is already built)."""
     if isinstance(model, PreTrainedModel):
         if model_init_kwargs:
             raise ValueError(
                 "model_init_kwargs only applies when the model is given as a Hub id, a folder or a config; "
                 "this model is already built: set its dtype and attention implementation on it directly."
             )
+        if check is not None:
+            check(model.config)
         stage = split_model(model, stage_index, num_stages, stage_boundaries, stage_balance).to(device)
         return BuiltStage(stage, generation_config=getattr(model, "generation_config", None))
     init = model_init_kwargs or {}
@@ -234,6 +237,8 @@ def stage_from_source(
             "model must be a Hub id or folder, a PretrainedConfig or a PreTrainedModel, got "
             f"{type(model).__name__}."
         )
+    if check is not None:
+        check(config)
     stage = build_stage(
         config,
         stage_index,
@@ -248,3 +253,14 @@ def stage_from_source(
         trust_remote_code=trust,
     )
     return BuiltStage(stage, folder, generation)
+
+
+def keep_float32_masters(stage: nn.Module) -> bool:
+    """Holds the stage's trained bf16 weights in float32 (``master_weights="float32"``: the optimizer then
+    steps float32 masters, the forward computes in bf16 under autocast); frozen ones stay bf16. Returns
+    whether there were any."""
+    trained = [p for p in stage.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
+    with torch.no_grad():
+        for p in trained:
+            p.data = p.data.float()
+    return bool(trained)

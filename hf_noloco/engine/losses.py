@@ -1,9 +1,10 @@
-"""The last stage's loss: ``<Model>ForCausalLM``'s next-token cross-entropy, optionally ``lm_head`` chunk by chunk.
+"""The last stage's loss: ``<Model>ForCausalLM``'s next-token cross-entropy, optionally ``lm_head`` chunk by
+chunk.
 
 Labels are shifted inside, logits upcast to float32, positions whose target is ``-100`` contribute 0, as
 transformers' ``ForCausalLMLoss`` computes it; a family's logit arithmetic
-(:class:`~hf_noloco.engine.stage.ForwardExtras`: multipliers, divisors, soft-capping) is applied before the loss,
-in both the plain and the chunked path.
+(:class:`~hf_noloco.engine.stage.ForwardExtras`: multipliers, divisors, soft-capping) is applied before the
+loss, in both the plain and the chunked path.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ def next_token_losses(
     ``outputs`` are the logits, or, given ``lm_head``, the final hidden states that ``lm_head`` (then
     ``extras``' logit arithmetic) turns into logits. With ``lm_head`` and ``chunk_tokens`` (fewer than the
     positions), positions are scored ``chunk_tokens`` at a time, in the forward pass and again in the backward
-    pass, which rebuilds each chunk's logits to compute its gradients: at most one chunk's float32 logits exist
-    at any time, instead of ``rows * tokens * vocab`` floats (8 GiB for 4 x 4096 tokens of Llama-3's 128k
-    vocabulary, and the backward of a cross-entropy holds three such tensors), for one more ``lm_head`` matrix
-    multiply.
+    pass, which rebuilds each chunk's logits to compute its gradients: at most one chunk's float32 logits
+    exist at any time, instead of ``rows * tokens * vocab`` floats (8 GiB for 4 x 4096 tokens of Llama-3's
+    128k vocabulary, and the backward of a cross-entropy holds three such tensors), for one more ``lm_head``
+    matrix multiply.
     """
     extras = extras or ForwardExtras()
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]

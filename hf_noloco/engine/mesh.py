@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hf_noloco.engine.comm import group_timeout
+from hf_noloco.engine.comm import free_port, group_timeout
 from hf_noloco.rules import mesh_shape, rank_of
 
 
@@ -83,7 +83,8 @@ class PipelineMesh:
 
     @contextlib.contextmanager
     def patient(self, seconds: float):
-        """Waits inside may take up to ``seconds`` (set-up, checkpoint and export I/O); then the timeout before."""
+        """Waits inside may take up to ``seconds`` (set-up, checkpoint and export I/O); then the timeout
+        before."""
         before = self.timeout
         self.set_timeout(seconds)
         try:
@@ -207,6 +208,19 @@ class PipelineMesh:
     def describe(self) -> str:
         """This process, as :meth:`describe_rank` names it."""
         return self.describe_rank(self.rank)
+
+
+def ensure_process_group(timeout_s: float) -> None:
+    """A one-process gloo group when none was joined (a plain ``python script.py``), so that the same code
+    paths run as under a launcher."""
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=timeout_s),
+        )
 
 
 def _default_device() -> torch.device:

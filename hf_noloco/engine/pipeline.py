@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_noloco.engine.comm import abandon, exchange, wait_collective, wait_sends
-from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice, check_microbatch_size, check_positive_int
-from hf_noloco.engine.mesh import PipelineMesh
-from hf_noloco.engine.stage import PipelineStage
 from hf_noloco.engine.losses import next_token_losses, target_token_count
+from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.routing import Router
 from hf_noloco.engine.schedule import BACKWARD, FORWARD, Post, pipeline_order, routed_links, step_plan
+from hf_noloco.engine.stage import PipelineStage
+from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice, check_microbatch_size, check_positive_int
 
 _META_FIXED = 2  # sample id, origin batch's target-token count; then labels, attention mask, positions
 
@@ -164,7 +164,9 @@ class PipelineEngine:
             with self.autocast():
                 y = stage(x, attention_mask=attention_mask, position_ids=position_ids, logits=False)
                 if stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
-                    token_losses = next_token_losses(y, labels, stage.lm_head, self.loss_chunk_tokens, stage.extras)
+                    token_losses = next_token_losses(
+                        y, labels, stage.lm_head, self.loss_chunk_tokens, stage.extras
+                    )
             if stage.is_last:
                 target_tokens.add_(target_token_count(labels))
                 if training:  # a sample's weight is 1 / (target tokens of the batch it came from)

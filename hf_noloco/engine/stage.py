@@ -1,4 +1,5 @@
-"""One pipeline stage of a Llama-family causal LM: a slice of its decoder layers, with the model's own modules.
+"""One pipeline stage of a Llama-family causal LM: a slice of its decoder layers, with the model's own
+modules.
 
 A stage keeps the original module names (``model.embed_tokens``, ``model.layers.7``, ``model.norm``,
 ``lm_head``), so its state dict is a slice of the full model's and the export is a merge. Decoder layers are
@@ -84,7 +85,9 @@ class ForwardExtras:
 
     @property
     def changes_logits(self) -> bool:
-        return any(v is not None for v in (self.logit_multiplier, self.logit_divisor, self.final_logit_softcapping))
+        return any(
+            v is not None for v in (self.logit_multiplier, self.logit_divisor, self.final_logit_softcapping)
+        )
 
 
 class PipelineStage(nn.Module):
@@ -132,14 +135,17 @@ class PipelineStage(nn.Module):
         layer_types = getattr(config, "layer_types", None)
         sliding = getattr(config, "sliding_window", None) is not None
         self._layer_types = [
-            layer_types[i] if layer_types is not None else ("sliding_attention" if sliding else "full_attention")
+            layer_types[i]
+            if layer_types is not None
+            else ("sliding_attention" if sliding else "full_attention")
             for i in range(*layer_range)
         ]
         unknown = sorted(set(self._layer_types) - set(MASK_FUNCTIONS))
         if unknown:
             raise ValueError(
-                f"{getattr(config, 'model_type', type(config).__name__)}: decoder layers of type {unknown[0]!r} "
-                f"are not reproduced by the stages (they compute the masks of {', '.join(MASK_FUNCTIONS)})."
+                f"{getattr(config, 'model_type', type(config).__name__)}: decoder layers of type "
+                f"{unknown[0]!r} are not reproduced by the stages (they compute the masks of "
+                f"{', '.join(MASK_FUNCTIONS)})."
             )
         self._checkpoint_fn = None  # set by activation_checkpointing_enable
         self._checkpoint_every = 1
@@ -271,7 +277,7 @@ class PipelineStage(nn.Module):
         return {t: rotary(hidden, position_ids, t) for t in dict.fromkeys(self._layer_types)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _signature_has_layer_type(forward) -> bool:
     return "layer_type" in inspect.signature(forward).parameters
 

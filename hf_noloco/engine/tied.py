@@ -1,16 +1,16 @@
 """Tied input and output embeddings across pipeline stages: two copies of one weight, kept bit-identical.
 
 With ``tie_word_embeddings=True`` (Qwen2.5 0.5B-3B, Qwen3 0.6B-4B, Llama-3.2 1B/3B, SmolLM2) and several
-stages, the first stage holds ``model.embed_tokens`` and the last ``lm_head``: two copies of one matrix, as
-in Megatron and torchtitan. They are built equal (:func:`~hf_noloco.engine.loading.build_stage`) and stay equal:
+stages, the first stage holds ``model.embed_tokens`` and the last ``lm_head``: two copies of one matrix, as in
+Megatron and torchtitan. They are built equal (:func:`~hf_noloco.engine.loading.build_stage`) and stay equal:
 
 - after every backward the two gradients are summed inside each replica column, with one pair of point to
   point messages between the column's first and last stage (never across replicas), so each copy gets the
   tied model's gradient, the sum of the embedding's and the head's;
 - both copies then take the same optimizer step on the same numbers: ``a + b == b + a`` exactly in floating
   point, the optimizer states start equal, the column clips both by one norm, and the outer step gives the
-  copy a bucket of its own on both stages (:class:`~hf_noloco.outer.optimizer.OuterOptimizer`), so both run the same
-  arithmetic on the same partners' equal copies.
+  copy a bucket of its own on both stages (:class:`~hf_noloco.outer.optimizer.OuterOptimizer`), so both run
+  the same arithmetic on the same partners' equal copies.
 
 The last stage's copy is the *mirror* (:attr:`~hf_noloco.engine.stage.PipelineStage.mirrored_names`): the
 column's gradient norm, the divergence metrics and the export leave it out, so the weight counts once.
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from hf_noloco.engine.buffers import squared_norm
 from hf_noloco.engine.comm import exchange, wait_sends
 from hf_noloco.engine.mesh import PipelineMesh
-from hf_noloco.engine.buffers import squared_norm
 
 
 class TiedEmbeddings:

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_noloco.rules import OUTER_STEP_METHODS, ROUTINGS, check_choice, check_positive_int, mesh_shape
-from hf_noloco.outer.settings import OuterSettings
 from hf_noloco.engine.routing import Router
+from hf_noloco.outer.settings import OuterSettings
+from hf_noloco.rules import OUTER_STEP_METHODS, ROUTINGS, check_choice, check_positive_int, mesh_shape
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -252,7 +252,9 @@ def step_traffic(
             ):
                 sync[replica, stage] = sends
         elif outer.outer_optimizer == "noloco" and num_replicas > 1:
-            copy = stage_params[stage] * _DTYPE_BYTES[outer.outer_dtype] * (2 if outer.sends_slow_weights else 1)
+            copy = (
+                stage_params[stage] * _DTYPE_BYTES[outer.outer_dtype] * (2 if outer.sends_slow_weights else 1)
+            )
             partners = _gossip_partners(num_replicas, outer.gossip_group_size)
             for replica in range(num_replicas):
                 others = [j for j in range(num_replicas) if j != replica]

@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from hf_noloco.engine.comm import peer_call
 from hf_noloco.engine.mesh import PipelineMesh
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,12 @@ def write_checkpoint(
     name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
     ranks, group = mesh.live_ranks(), mesh.world_group  # every rank, unless replicas were lost
     custom_barrier = barrier is not None
-    barrier = barrier or (lambda: dist.barrier(group=group))
+    if barrier is None:
+
+        def barrier():
+            with peer_call(f"{mesh.describe()}: a checkpoint barrier"):
+                dist.barrier(group=group)
+
     final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f"tmp-{name}")
     if mesh.is_leader:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -129,9 +135,10 @@ def write_checkpoint(
     if custom_barrier:
         barrier()
     elif dist.get_backend() == "gloo":
-        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        with peer_call("the checkpoint's barrier and verdicts"):
+            dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
     else:
-        dist.barrier(group=group)
+        barrier()
     if mesh.is_leader:
         write_shared_state(tmp)
         write_checksums(tmp, [rank_folder_of(tmp, r % mesh.num_stages, r // mesh.num_stages) for r in ranks])
@@ -165,7 +172,10 @@ def save_rank_state(
     if trainable_only:
         weights = {k: p.detach().contiguous().cpu() for k, p in stage.named_parameters() if p.requires_grad}
     else:
-        weights = {k: v.detach().contiguous().cpu() for k, v in stage.state_dict().items()}
+        aliases = _aliases(stage)  # a tied weight held by one stage: stored once, under its first name
+        weights = {
+            k: v.detach().contiguous().cpu() for k, v in stage.state_dict().items() if k not in aliases
+        }
     save_file(weights, os.path.join(rank_dir, _WEIGHTS))
     torch.save(optimizer_state, os.path.join(rank_dir, _OPTIMIZER))
     torch.save(pipeline_state, os.path.join(rank_dir, _PIPELINE))
@@ -213,8 +223,29 @@ def load_rank_state(
                 f"Cannot resume {checkpoint}: its adapter tensors do not match this run's "
                 f"({sorted(set(weights) ^ expected)[:3]} differ)."
             )
-    stage.load_state_dict(weights, strict=not trainable_only)
+    if trainable_only:
+        stage.load_state_dict(weights, strict=False)
+    else:
+        missing, unexpected = stage.load_state_dict(weights, strict=False)
+        missing = sorted(set(missing) - _aliases(stage))
+        if unexpected or missing:
+            raise ValueError(
+                f"Cannot resume {checkpoint}: its weights do not match this stage's (missing {missing[:3]}, "
+                f"unexpected {sorted(unexpected)[:3]})."
+            )
     return torch.load(os.path.join(rank_dir, _PIPELINE), weights_only=True)
+
+
+def _aliases(stage: nn.Module) -> set[str]:
+    """State-dict names that are another name of a tensor already listed (``lm_head.weight`` of a tied model
+    whose stage holds both ends): safetensors stores a tensor once."""
+    seen, aliases = {}, set()
+    for name, tensor in stage.state_dict(keep_vars=True).items():
+        key = (tensor.data_ptr(), tensor.shape, tensor.dtype)
+        if key in seen and tensor.numel():
+            aliases.add(name)
+        seen.setdefault(key, name)
+    return aliases
 
 
 def load_optimizer_state(checkpoint: str, mesh: PipelineMesh) -> dict:
@@ -322,7 +353,8 @@ def agreed_problems(checkpoint: str, mesh: PipelineMesh) -> list[str]:
     Collective: every rank calls it, so no rank can start training from a checkpoint another refuses."""
     mine = verify_rank_files(checkpoint, mesh)
     verdicts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, mine)
+    with peer_call("the checkpoint's barrier and verdicts"):
+        dist.all_gather_object(verdicts, mine)
     return list(dict.fromkeys(v for v in verdicts if v))  # in rank order, each problem once
 
 
@@ -343,7 +375,8 @@ def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh) -> s
     # Rank 0's listing for all: ranks that saw different folders (a slow shared filesystem) would otherwise
     # call different numbers of collectives. A checkpoint a rank cannot see fails its check there.
     box = [completed_checkpoints(run_dir) if mesh.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    with peer_call("the checkpoint's barrier and verdicts"):
+        dist.broadcast_object_list(box, src=0)
     candidates = box[0]
     skipped = []
     for candidate in candidates:
@@ -354,7 +387,8 @@ def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh) -> s
             if mesh.rank == 0:
                 for folder, _ in skipped:
                     _move_aside(folder)
-            dist.barrier()
+            with peer_call("the barrier after moving damaged checkpoints aside"):
+                dist.barrier()
             if skipped:
                 logger.warning("Resuming from %s, the newest checkpoint that verifies.", candidate)
             return candidate

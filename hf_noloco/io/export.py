@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_noloco.engine.buffers import consecutive_buckets, flatten, unflatten_into
+from hf_noloco.engine.comm import peer_call
 from hf_noloco.rules import check_export_replica
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ def consensus_state_dict(stage: nn.Module, mesh, replica: int | None = None) -> 
     def take_from(src: int, names) -> None:
         for name in names:
             buffer = own[name].to(device, copy=True).contiguous()
-            dist.broadcast(buffer, src=src, group=group)
+            with peer_call("the export's consensus and gather"):
+                dist.broadcast(buffer, src=src, group=group)
             state[name].copy_(buffer)
 
     if replica is not None:
@@ -95,7 +97,8 @@ def consensus_state_dict(stage: nn.Module, mesh, replica: int | None = None) -> 
         # One flat float32 buffer per bucket: fewer collectives, and bf16/fp16 weights are averaged without
         # rounding the partial sums.
         flat = flatten([own[name] for name in bucket], torch.float32).to(device)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        with peer_call("the export's consensus and gather"):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         unflatten_into([state[name] for name in bucket], flat.div_(mesh.num_live_replicas))
     # Integer buffers (counters, ids) have no mean: every replica takes the first live one's copy.
     take_from(
@@ -142,9 +145,11 @@ def gather_full_state_dict(
         if rank not in senders:
             return None
         meta = [(name, tuple(t.shape), t.dtype) for name, t in stage_state_dict.items()]
-        dist.send_object_list([meta], dst=dst, group=group, device=device)
+        with peer_call("the export's consensus and gather"):
+            dist.send_object_list([meta], dst=dst, group=group, device=device)
         for tensor in stage_state_dict.values():  # one tensor at a time on the communication device
-            dist.send(tensor.detach().to(device).contiguous(), dst=dst, group=group)
+            with peer_call("the export's consensus and gather"):
+                dist.send(tensor.detach().to(device).contiguous(), dst=dst, group=group)
         return None
 
     merged: dict[str, torch.Tensor] = {}
@@ -154,10 +159,12 @@ def gather_full_state_dict(
                 merged[name] = tensor.detach().to("cpu", copy=True)
             continue
         box: list[Any] = [None]
-        dist.recv_object_list(box, src=src, group=group, device=device)
+        with peer_call("the export's consensus and gather"):
+            dist.recv_object_list(box, src=src, group=group, device=device)
         for name, shape, dtype in box[0]:
             tensor = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(tensor, src=src, group=group)
+            with peer_call("the export's consensus and gather"):
+                dist.recv(tensor, src=src, group=group)
             merged[name] = tensor.cpu()
     return merged
 

@@ -1,4 +1,5 @@
-"""What ``hf-noloco-train`` adds to :class:`~hf_noloco.NoLoCoConfig`: which model (:class:`ModelArguments`) and
+"""What ``hf-noloco-train`` adds to :class:`~hf_noloco.NoLoCoConfig`: which model (:class:`ModelArguments`)
+and
 which data (:class:`DataArguments`), as TRL's scripts take them beside their config.
 """
 
@@ -16,7 +17,6 @@ from hf_noloco.rules import (
     help_from_docstring,
     is_local_dataset_path,
 )
-
 
 # model_config sizes that must be positive integers (transformers would fail later, in its own words)
 _MODEL_SIZES = (

@@ -1,7 +1,7 @@
 """The options page (``docs/options.md``), written from the same docstrings as ``hf-noloco-train --help``.
 
-``python -m hf_noloco.launch.options_doc > docs/options.md`` regenerates it; a test fails when the committed page
-differs from what the docstrings say.
+``python -m hf_noloco.launch.options_doc > docs/options.md`` regenerates it; a test fails when the committed
+page differs from what the docstrings say.
 """
 
 from __future__ import annotations

@@ -26,11 +26,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hf_noloco.engine.comm import PeerError, PendingExchange, exchange, wait_collective, wait_sends
 from hf_noloco.engine.buffers import consecutive_buckets, flatten, unflatten_into
-from hf_noloco.outer.settings import OuterSettings
-from hf_noloco.outer.gossip import diloco_update_, divergence_from_partners, group_of, live_gossip_groups, noloco_update_
+from hf_noloco.engine.comm import PeerError, PendingExchange, exchange, peer_call, wait_collective, wait_sends
 from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.outer.gossip import (
+    diloco_update_,
+    divergence_from_partners,
+    group_of,
+    live_gossip_groups,
+    noloco_update_,
+)
+from hf_noloco.outer.settings import OuterSettings
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -72,19 +78,24 @@ class OuterOptimizer(torch.optim.Optimizer):
         inner: the optimizer of this replica's stage parameters (AdamW, SGD, ...).
         params: the stage's parameters, in an order identical on every replica of the stage.
         mesh: the process mesh; the outer sync runs over ``mesh.replica_group``.
-        settings: the method and its hyperparameters (:class:`~hf_noloco.config.OuterSettings`; unset ones are
-            the paper's defaults).
-        p2p_timeout: seconds to wait for a peer before raising :class:`~hf_noloco.comm.PeerError`.
+        settings: the method and its hyperparameters (:class:`~hf_noloco.outer.settings.OuterSettings`;
+            unset ones are the paper's defaults).
+        p2p_timeout: seconds to wait for a peer before raising :class:`~hf_noloco.engine.comm.PeerError`.
         bucket_mb: the outer step works on buckets of at most this many MiB of fp32 weights (one message per
             partner and bucket), which bounds its temporary memory; small enough that CPU allocators reuse the
             temporaries instead of mapping fresh pages every outer step (4x faster on CPU at 64 MiB stages).
-            An overlapped outer step (``settings.outer_overlap_steps`` > 0) holds every bucket at once while in
+            An overlapped outer step (``outer_overlap_steps`` > 0) holds every bucket at once while in
             flight: one float32 copy of the stage, plus what it sends and receives.
         tied_weight: this stage's copy of a weight another stage of the column also holds (the tied
-            embeddings, :mod:`hf_noloco.tied`). It gets a bucket of its own, on both stages, so that the two
-            copies go through the same arithmetic on the same numbers and stay bit-identical.
+            embeddings, :mod:`hf_noloco.engine.tied`). It gets a bucket of its own, on both stages, so that
+            the two copies go through the same arithmetic on the same numbers and stay bit-identical.
         tied_mirror: ``tied_weight`` is the copy counted on the other stage: the partner-distance estimate of
             the divergence leaves it out.
+        tied_peer: the global rank that holds the other copy. DiLoCo's all-reduce of the copy runs on two
+            process groups (the first stage's replicas and the last stage's), and a backend may sum 3 or more
+            terms in a different order on each (NCCL picks ring, tree or NVLS per communicator): after every
+            DiLoCo update the first stage sends its copy's slow weights and momentum to the mirror, which
+            takes them, so the copies stay identical whatever the backend does.
         background_group: the process group of overlapped exchanges; ``None``:
             ``mesh.background_replica_group()`` (made on first use: collective over every rank).
     """
@@ -100,6 +111,7 @@ class OuterOptimizer(torch.optim.Optimizer):
         tied_weight: torch.Tensor | None = None,
         tied_mirror: bool = False,
         background_group: dist.ProcessGroup | None = None,
+        tied_peer: int | None = None,
     ):
         settings = settings if settings is not None else OuterSettings()
         settings.check_replicas(mesh.num_replicas)
@@ -127,8 +139,9 @@ class OuterOptimizer(torch.optim.Optimizer):
             raise ValueError("tied_weight is not one of params.")
         self._buckets = _buckets_isolating([p.numel() * 4 for p in self.params], bucket_mb * 2**20, tied)
         # The mirror's bucket is left out of the divergence estimate (the other stage counts the weight).
-        self._uncounted_bucket = next((b for b, bucket in enumerate(self._buckets) if bucket == tied), None)
-        self._uncounted_bucket = self._uncounted_bucket if tied_mirror else None
+        self._tied_bucket = next((b for b, bucket in enumerate(self._buckets) if bucket == tied), None)
+        self._uncounted_bucket = self._tied_bucket if tied_mirror else None
+        self.tied_mirror, self.tied_peer = tied_mirror, tied_peer
         self.numel = sum(p.numel() for i, p in enumerate(self.params) if not (tied_mirror and i in tied))
 
         self.inner_step_count = 0
@@ -225,6 +238,7 @@ class OuterOptimizer(torch.optim.Optimizer):
             self._noloco_step()
         elif self.method == "diloco":
             self._diloco_step()
+            self._share_tied_state()
         else:
             return
         self.outer_step_count += 1
@@ -265,6 +279,8 @@ class OuterOptimizer(torch.optim.Optimizer):
         ]
         if not flight.combined:
             self._combine_in_flight(flight)
+        if flight.method == "diloco":
+            self._share_tied_state()
         for b, bucket in enumerate(self._buckets):
             now = progress[b].add_(self._phi_flat[b].to(progress[b].device))
             unflatten_into([self.params[i] for i in bucket], now)
@@ -486,6 +502,26 @@ class OuterOptimizer(torch.optim.Optimizer):
             self._diloco_combine(b, pseudo, own_finite, what)
             unflatten_into(params, self._phi_flat[b].to(theta.device))
 
+    def _share_tied_state(self) -> None:
+        """The first stage's tied copy's phi and delta replace the mirror's (see ``tied_peer``), and the
+        mirror's weights become that phi, as the first stage's did."""
+        b = self._tied_bucket
+        if b is None or self.tied_peer is None:
+            return
+        device = self.params[self._buckets[b][0]].device
+        phi, delta = self._phi_flat[b].to(device), self._delta_flat[b].to(device)
+        context = f"{self.mesh.describe()}: the tied copy's DiLoCo state"
+        mine = [] if self.tied_mirror else [(phi, self.tied_peer), (delta, self.tied_peer)]
+        theirs = [(phi, self.tied_peer), (delta, self.tied_peer)] if self.tied_mirror else []
+        pending = exchange(
+            mine, theirs, self.p2p_timeout, self.mesh.describe_rank, context, self.mesh.world_group
+        )
+        wait_sends(pending, self.p2p_timeout, context)
+        if self.tied_mirror:
+            self._phi_flat[b].copy_(phi)
+            self._delta_flat[b].copy_(delta)
+            unflatten_into([self.params[i] for i in self._buckets[b]], phi)
+
     def _diloco_pseudo(self, b: int, theta: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Bucket ``b``'s pseudo-gradient ``theta - phi`` in the wire precision, and whether it is finite."""
         pseudo = (theta - self._phi_flat[b].to(theta.device)).to(self.outer_dtype)
@@ -650,6 +686,7 @@ def broadcast_replica_weights(module: torch.nn.Module, mesh: PipelineMesh) -> No
     tensors = [p.data for p in module.parameters()] + list(module.buffers())
     for t in tensors:  # once at start-up: one message per tensor is fine
         buf = t if t.is_contiguous() else t.contiguous()
-        dist.broadcast(buf, src=src, group=mesh.replica_group)
+        with peer_call("the start-up broadcast of replica 0's weights"):
+            dist.broadcast(buf, src=src, group=mesh.replica_group)
         if buf is not t:
             t.copy_(buf)

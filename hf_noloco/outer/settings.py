@@ -103,12 +103,19 @@ class OuterSettings:
         )
         if method == "noloco":
             check_in_range(
-                "outer_averaging (gamma)", self.outer_averaging, 0, 2, True, True, "the code uses gamma = beta"
+                "outer_averaging (gamma)",
+                self.outer_averaging,
+                0,
+                2,
+                True,
+                True,
+                "the code uses gamma = beta",
             )
             n = self.gossip_group_size
             if isinstance(n, bool) or not isinstance(n, int) or n < 2:
                 raise ValueError(
-                    f"gossip_group_size must be an integer >= 2 (a replica and at least one partner), got {n!r}."
+                    "gossip_group_size must be an integer >= 2 (a replica and at least one partner), "
+                    f"got {n!r}."
                 )
 
     @property

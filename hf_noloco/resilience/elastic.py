@@ -20,6 +20,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from hf_noloco.engine.comm import peer_call
+
 _attempt: int | None = None  # this worker's attempt (1 = the first start), when counted in the agent's store
 
 
@@ -62,3 +64,15 @@ def is_restart() -> bool:
     """Whether this worker was started again after a failed attempt of the same job (this rank's view; the
     trainer makes every rank agree)."""
     return (_attempt or 1) > 1 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
+
+
+def agreed_restart(mesh) -> bool:
+    """Whether a launcher's agent restarted this job's workers, the same answer on every rank: each agent
+    counts its own restarts, so one node's workers may not know that the job restarted. Collective when
+    :func:`restartable`."""
+    if not restartable():
+        return False  # no agent that restarts workers: no collective
+    views: list = [None] * mesh.world_size
+    with peer_call(f"{mesh.describe()}: agreeing whether the job was restarted"):
+        dist.all_gather_object(views, is_restart())
+    return any(views)

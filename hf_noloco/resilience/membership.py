@@ -31,8 +31,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from hf_noloco.resilience.watch import PeerWatch
 from hf_noloco.engine.comm import ViewChange, interrupt_waits_on
+from hf_noloco.resilience.watch import PeerWatch
 
 logger = logging.getLogger(__name__)
 

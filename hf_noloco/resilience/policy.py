@@ -11,8 +11,9 @@ The trainer never asks which mode it runs in. It calls the same few methods in b
   :meth:`~ReplicaLossPolicy.retry` (the export, started again after a loss).
 
 A lost peer is recognised by the error's type alone (:func:`hf_noloco.engine.comm.is_lost_peer`): every
-communication call goes through :mod:`hf_noloco.engine.comm`, which raises :class:`~hf_noloco.engine.comm.PeerError`
-for what the call itself raised. Any other error, a bug included, propagates in both modes.
+communication call goes through :mod:`hf_noloco.engine.comm`, which raises
+:class:`~hf_noloco.engine.comm.PeerError` for what the call itself raised. Any other error, a bug included,
+propagates in both modes.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class ReplicaLossPolicy:
         return work()
 
     def lost_partner(self, exc: BaseException, step: int) -> None:
-        """A gossip partner was lost inside the outer exchange (raised here; "continue" skips the averaging)."""
+        """A gossip partner was lost inside the outer exchange (raised here; "continue" skips the
+        averaging)."""
         raise exc
 
     def barrier(self) -> None:
@@ -166,8 +168,11 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
         return self.membership.barrier
 
     def live_sum(self, tensor: torch.Tensor, what: str, step: int) -> int:
-        # While the live replicas change (or if a rank is lost during this very sum) the sum is this rank's own.
-        return self.tolerate(what, lambda: super(ContinueAfterReplicaLoss, self).live_sum(tensor, what, step), lambda: 1, step)
+        # While the live replicas change (or if a rank is lost during this very sum) the sum is this rank's
+        # own.
+        return self.tolerate(
+            what, lambda: super(ContinueAfterReplicaLoss, self).live_sum(tensor, what, step), lambda: 1, step
+        )
 
     def retry(self, what: str, work: Callable[[], T], step: int, attempts: int = 3) -> T:
         for _ in range(attempts):
@@ -176,7 +181,9 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
                 return work()
             except LOST_PEER_ERRORS as exc:
                 self.membership.failed(exc, step)
-                logger.warning("%s: %s interrupted by a lost replica; starting it again.", self.mesh.describe(), what)
+                logger.warning(
+                    "%s: %s interrupted by a lost replica; starting it again.", self.mesh.describe(), what
+                )
         raise PeerError(f"{self.mesh.describe()}: {what} was interrupted {attempts} times by lost replicas.")
 
     def may_tear_down_groups(self) -> bool:

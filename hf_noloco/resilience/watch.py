@@ -17,6 +17,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from hf_noloco.engine.comm import PeerError, is_lost_peer
+
 
 class PeerWatch:
     """Tells, after a communication failure, which peers are gone, and keeps the job's first failure.
@@ -87,6 +89,19 @@ class PeerWatch:
             return self.store.get(key).decode(errors="replace")
         except Exception:  # noqa: BLE001 - the store is gone too
             return None
+
+    def with_root_cause(self, exc: Exception, mesh, timeout: float) -> Exception:
+        """Records this rank's failure as the job's first unless another rank's came first. A communication
+        error comes back as a PeerError that names the peers that stopped responding, or the job's first
+        failure; any other error as it is."""
+        mine = f"{mesh.describe()}: {type(exc).__name__}: {exc}"[:4000]
+        lost = is_lost_peer(exc)
+        first = self.diagnose(mine, mesh.describe_rank, find_lost=lost, timeout=timeout)
+        if first is None or not lost or first == mine:
+            return exc
+        if first.startswith(mine):  # this rank was first: its message plus the peers it lost
+            return PeerError(first)
+        return PeerError(f"{mine}\nThe first failure in this job was on {first}")
 
     def hold_store_at_exit(self) -> None:
         """When this process hosts the store (rank 0 launched without an elastic agent), it waits at exit,

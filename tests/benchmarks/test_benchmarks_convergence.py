@@ -14,8 +14,8 @@ from tests.helpers.paths import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import _stats  # noqa: E402
-import _study  # noqa: E402
+import _stats
+import _study
 
 # Two-sided 95% Student-t quantiles t(0.975, df) from printed tables: the independent reference.
 T_TABLE = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 10: 2.228, 30: 2.042, 1000: 1.962}

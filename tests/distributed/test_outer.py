@@ -65,7 +65,13 @@ def _math_run(mesh, model, name, outer_dtype="float32", steps=STEPS):
     _set(params, _values(0, mesh.stage, mesh.replica))
     inner = torch.optim.SGD(params, lr=LR, momentum=MU)
     settings = OuterSettings(
-        method, H, outer_lr=beta, outer_momentum=alpha, outer_averaging=gamma, outer_dtype=outer_dtype, routing_seed=SEED
+        method,
+        H,
+        outer_lr=beta,
+        outer_momentum=alpha,
+        outer_averaging=gamma,
+        outer_dtype=outer_dtype,
+        routing_seed=SEED,
     )
     opt = OuterOptimizer(
         inner, params, mesh, settings, bucket_mb=1e-5
@@ -195,7 +201,9 @@ def _scenarios(mesh):
 
     # noloco with inner steps that change nothing: the divergence must shrink geometrically.
     _set(params, _values(0, mesh.stage, mesh.replica))
-    opt = OuterOptimizer(torch.optim.SGD(params, lr=LR), params, mesh, OuterSettings("noloco", 1, routing_seed=SEED))
+    opt = OuterOptimizer(
+        torch.optim.SGD(params, lr=LR), params, mesh, OuterSettings("noloco", 1, routing_seed=SEED)
+    )
     divergence = [replica_divergence(model, mesh)]
     for _ in range(20):
         for p in params:
@@ -206,7 +214,9 @@ def _scenarios(mesh):
 
     # A replica with NaN weights: its partners refuse to average them (and it notices itself).
     _set(params, _values(0, mesh.stage, mesh.replica))
-    opt = OuterOptimizer(torch.optim.SGD(params, lr=LR), params, mesh, OuterSettings("noloco", 1, routing_seed=SEED))
+    opt = OuterOptimizer(
+        torch.optim.SGD(params, lr=LR), params, mesh, OuterSettings("noloco", 1, routing_seed=SEED)
+    )
     if mesh.replica == 0:
         with torch.no_grad():
             params[0][1, 1] = float("nan")
@@ -457,7 +467,9 @@ def test_constructor_errors():
     with pytest.raises(ValueError, match="outer_optimizer must be one of"):
         OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), OuterSettings("allreduce"))
     with pytest.raises(ValueError, match="outer_dtype"):
-        OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), OuterSettings("local", outer_dtype="int8"))
+        OuterOptimizer(
+            inner, list(model.parameters()), _solo_mesh(), OuterSettings("local", outer_dtype="int8")
+        )
     opt = OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), OuterSettings("local"))
     with pytest.raises(ValueError, match="outer method 'diloco'"):
         opt.load_state_dict(

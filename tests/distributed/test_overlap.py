@@ -49,7 +49,13 @@ def _params(mesh):
 def _optimizer(mesh, params, name, tau, bucket_mb=1e-5):
     method, alpha, beta, gamma = CONFIGS[name]
     settings = OuterSettings(
-        method, H, outer_lr=beta, outer_momentum=alpha, outer_averaging=gamma, routing_seed=SEED, outer_overlap_steps=tau
+        method,
+        H,
+        outer_lr=beta,
+        outer_momentum=alpha,
+        outer_averaging=gamma,
+        routing_seed=SEED,
+        outer_overlap_steps=tau,
     )
     # tiny buckets: one parameter per bucket, to exercise bucketing
     return OuterOptimizer(

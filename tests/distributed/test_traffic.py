@@ -80,7 +80,9 @@ def _walk(config, seq_len, batch, pp, dp, ppn, routing, group, outer, stage_para
                     send(perm[r] * pp + b + 1, r * pp + b, bwd)
         if outer.outer_optimizer == "noloco" and (step + 1) % outer.inner_steps == 0:
             for s in range(pp):
-                for g in gossip_groups(dp, outer.gossip_group_size, outer.routing_seed, step // outer.inner_steps):
+                for g in gossip_groups(
+                    dp, outer.gossip_group_size, outer.routing_seed, step // outer.inner_steps
+                ):
                     for i in g:
                         for j in g:
                             if i != j:
@@ -195,7 +197,9 @@ def _count_messages(group_size):
     router = Router(DP, "sample", seed=4, group_size=group_size)
     engine = PipelineEngine(stage, mesh, router, MICRO)
     params = list(stage.parameters())
-    opt = OuterOptimizer(torch.optim.SGD(params, lr=0.01), params, mesh, OuterSettings("noloco", H, routing_seed=9))
+    opt = OuterOptimizer(
+        torch.optim.SGD(params, lr=0.01), params, mesh, OuterSettings("noloco", H, routing_seed=9)
+    )
     sent, phase = [], ["pipeline"]
     original = dist.batch_isend_irecv
 

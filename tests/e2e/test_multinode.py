@@ -40,7 +40,6 @@ TIMING_KEYS = {
 }
 
 
-
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
     from pydoc_data.topics import topics

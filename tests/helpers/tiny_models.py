@@ -51,3 +51,63 @@ def make_batch(rows: int, seq_len: int, seed: int, padded: bool = True) -> dict[
 def shard(batch: dict, replica: int, num_replicas: int) -> dict:
     rows = batch["input_ids"].shape[0] // num_replicas
     return {k: v[replica * rows : (replica + 1) * rows] for k, v in batch.items()}
+
+
+# Every family the stages are proven for (the list docs/architecture.md gives), each with the settings that
+# make its forward differ from Llama's set away from their neutral values, so that a stage that ignored one
+# would compute something else.
+FAMILIES = {
+    "llama": {},
+    "mistral": {"sliding_window": 6},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
+    "qwen3": {"head_dim": 8},
+    "smollm3": {"no_rope_layer_interval": 2},
+    "gemma": {"head_dim": 8},
+    "gemma2": {
+        "head_dim": 8,
+        "sliding_window": 6,
+        "final_logit_softcapping": 3.0,
+        "attn_logit_softcapping": 5.0,
+    },
+    "gemma3_text": {
+        "head_dim": 8,
+        "sliding_window": 6,
+        "final_logit_softcapping": 3.0,
+        "query_pre_attn_scalar": 12,
+    },
+    "phi3": {},
+    "olmo2": {},
+    "granite": {
+        "embedding_multiplier": 3.0,
+        "logits_scaling": 4.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+    },
+    "cohere": {"logit_scale": 0.3, "use_qk_norm": False},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
+}
+
+
+def family_config(family: str, layers: int = 4, tied: bool = False):
+    """A tiny config of ``family`` with its distinctive settings (:data:`FAMILIES`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,  # within the tiny vocabulary (some families default to an id beyond it)
+        **{k: v for k, v in FAMILIES[family].items() if k != "pad_token_id"},
+    )
+    config._attn_implementation = "eager"
+    return config

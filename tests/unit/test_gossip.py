@@ -53,7 +53,10 @@ def test_paper_defaults():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"outer_optimizer": "fsdp"}, "outer_optimizer must be one of noloco, diloco, ddp, local, got 'fsdp'"),
+        (
+            {"outer_optimizer": "fsdp"},
+            "outer_optimizer must be one of noloco, diloco, ddp, local, got 'fsdp'",
+        ),
         ({"outer_dtype": "int8"}, "outer_dtype must be one of float32, bfloat16, got 'int8'"),
         ({"num_replicas": 1}, "no partner.*'local'"),
         ({"gossip_group_size": 1}, "gossip_group_size must be an integer >= 2"),

@@ -1,0 +1,36 @@
+"""What ``NoLoCoTrainer`` refuses before it joins anything: inputs it cannot honour, named in one line."""
+
+from __future__ import annotations
+
+from hf_noloco.data.streaming import TokenStream
+from hf_noloco.rules import check_merge_adapter, check_streamed_training
+
+
+def check_trainer_inputs(model, args, train_dataset, peft_config, kwargs: dict) -> None:
+    check_merge_adapter(args.merge_adapter, peft_config is not None)
+    if peft_config is not None:
+        if args.on_replica_loss == "continue":
+            raise ValueError("on_replica_loss='continue' does not support LoRA adapters (use_peft) yet.")
+        if type(peft_config).__name__ != "LoraConfig":
+            raise TypeError(f"peft_config must be a peft.LoraConfig, got {type(peft_config).__name__}.")
+        if not isinstance(model, str):
+            raise ValueError(
+                "LoRA adapters fine-tune a pretrained checkpoint: pass its Hub id or folder as the model "
+                "(the export refers to it, and merge_adapter reads its weights)."
+            )
+    if isinstance(train_dataset, TokenStream):
+        check_streamed_training(args.max_steps, args.dataloader_num_workers)
+    for name in ("compute_metrics", "preprocess_logits_for_metrics", "model_init"):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{name} is not supported by NoLoCoTrainer: evaluation computes loss and perplexity inside "
+                "the pipeline (no rank holds a batch's logits whole); the model is given directly."
+            )
+
+
+def check_dataset_size(dataset, needed: int) -> None:
+    if dataset is not None and hasattr(dataset, "__len__") and len(dataset) < needed:
+        raise ValueError(
+            f"The training set has {len(dataset)} samples, fewer than one batch per replica ({needed}: "
+            "replicas x per_device_train_batch_size). Use more data or a smaller batch."
+        )

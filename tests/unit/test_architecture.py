@@ -1,0 +1,159 @@
+"""The package's structure against docs/architecture.md: every module is in the module map, no module imports
+from a higher layer, the pure modules import neither transformers nor torch.distributed, no file is over 700
+lines; and docs/options.md is what the docstrings generate."""
+
+import ast
+import os
+import re
+
+from hf_noloco.launch.options_doc import options_page
+from tests.helpers.paths import ROOT
+
+PACKAGE = os.path.join(ROOT, "hf_noloco")
+ARCHITECTURE = os.path.join(ROOT, "docs", "architecture.md")
+
+
+def _modules() -> dict[str, str]:
+    """``{"engine/mesh.py": path}`` for every module of the package."""
+    found = {}
+    for folder, _, names in os.walk(PACKAGE):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                found[os.path.relpath(path, PACKAGE)] = path
+    return found
+
+
+def _doc() -> str:
+    with open(ARCHITECTURE) as f:
+        return f.read()
+
+
+def _table_rows(heading: str) -> list[list[str]]:
+    section = _doc().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[1:]]
+
+
+def _layers() -> dict[str, int]:
+    """``{"engine/": 1, "config.py": 6, ...}`` from the layer table."""
+    layers = {}
+    for number, places, _ in _table_rows("Layers"):
+        for place in re.findall(r"`([^`]+)`", places):
+            layers[place] = int(number)
+    return layers
+
+
+def _layer_of(module: str, layers: dict[str, int]) -> int:
+    folder = module.split("/")[0] + "/" if "/" in module else None
+    if folder in layers:
+        return layers[folder]
+    if module in layers:
+        return layers[module]
+    raise AssertionError(f"hf_noloco/{module} is in no layer of docs/architecture.md")
+
+
+def _imports(path: str) -> list[tuple[str, int]]:
+    """Absolute names this module imports, with their line (``TYPE_CHECKING`` blocks left out: never run)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            skipped |= {id(n) for child in node.body for n in ast.walk(child)}
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}:{node.lineno}: relative import (the package imports absolutely)"
+            names += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
+    return names
+
+
+def _module_of(name: str, modules: dict[str, str]) -> str | None:
+    """The package module an imported name belongs to (``hf_noloco.engine.mesh.PipelineMesh`` ->
+    ``engine/mesh.py``), or None for other packages."""
+    if not name.startswith("hf_noloco"):
+        return None
+    parts = name.split(".")[1:]
+    for end in range(len(parts), 0, -1):
+        for candidate in ("/".join(parts[:end]) + ".py", "/".join(parts[:end]) + "/__init__.py"):
+            if candidate in modules:
+                return candidate
+    return "__init__.py"
+
+
+def test_every_module_is_in_the_module_map_and_no_other():
+    documented = {re.findall(r"`([^`]+)`", row[0])[0] for row in _table_rows("Modules")}
+    modules = {m for m in _modules() if not (m.endswith("__init__.py") and m != "__init__.py")}
+    assert documented == modules, (sorted(modules - documented), sorted(documented - modules))
+
+
+def test_no_module_imports_from_a_higher_layer():
+    layers, modules = _layers(), _modules()
+    problems = []
+    for module, path in modules.items():
+        mine = _layer_of(module, layers)
+        for name, line in _imports(path):
+            target = _module_of(name, modules)
+            if (
+                target is None
+                or target == module
+                or target.endswith("__init__.py")
+                and target != "__init__.py"
+            ):
+                continue
+            if _layer_of(target, layers) > mine:
+                higher = _layer_of(target, layers)
+                problems.append(f"hf_noloco/{module}:{line} (layer {mine}) imports {name} (layer {higher})")
+    assert not problems, "\n".join(problems)
+
+
+def test_pure_modules_import_neither_transformers_nor_torch_distributed():
+    section = _doc().split("Pure modules:", 1)[1].split("\n\n", 1)[0]
+    pure = re.findall(r"`([^`]+)`", section)
+    assert {"rules.py", "engine/routing.py", "engine/schedule.py", "outer/gossip.py"} <= set(pure)
+    modules = _modules()
+
+    def reach(module, seen):  # everything the module imports, within the package too
+        for name, _ in _imports(modules[module]):
+            yield name
+            target = _module_of(name, modules)
+            if target is not None and target not in seen:
+                seen.add(target)
+                yield from reach(target, seen)
+
+    for module in pure:
+        for name in reach(module, {module}):
+            assert not name.startswith(("transformers", "torch.distributed")), (module, name)
+
+
+def test_no_file_is_over_700_lines_and_the_trainer_under_600():
+    lengths = {}
+    for module, path in _modules().items():
+        with open(path) as f:
+            lengths[module] = len(f.readlines())
+    assert lengths["trainer.py"] < 600, lengths["trainer.py"]
+    assert max(lengths.values()) <= 700, max(lengths.items(), key=lambda kv: kv[1])
+
+
+def test_the_options_page_is_what_the_docstrings_say():
+    with open(os.path.join(ROOT, "docs", "options.md")) as f:
+        committed = f.read()
+    assert committed == options_page(), "regenerate: python -m hf_noloco.launch.options_doc > docs/options.md"
+
+
+def test_every_option_is_on_the_options_page():
+    import dataclasses
+
+    from hf_noloco.config import NoLoCoConfig
+    from hf_noloco.launch.arguments import DataArguments, ModelArguments
+
+    page = options_page()
+    for cls in (NoLoCoConfig, ModelArguments, DataArguments):
+        for f in dataclasses.fields(cls):
+            if f.name in cls.__annotations__ and f.init:
+                assert f"**`{f.name}`**" in page, (cls.__name__, f.name)

@@ -1,0 +1,83 @@
+"""Every family of the proven list, split at 1 to 3 stages (tied and untied): the composed stages give Hugging
+Face's own logits, loss and every gradient, through the pipeline's own (chunked) loss; and the start-up proof
+refuses what the stages do not reproduce, naming it."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_noloco.engine.stage as stage_module
+from hf_noloco.engine.fidelity import shrunken_config, split_problem
+from hf_noloco.engine.losses import next_token_losses, target_token_count
+from hf_noloco.engine.partition import split_model, stage_layer_ranges
+from tests.helpers.tiny_models import FAMILIES, family_config, make_batch
+
+CASES = [(family, stages, tied) for family in FAMILIES for stages, tied in [(1, True), (2, False), (3, True)]]
+
+
+def _relative(a, b):
+    return ((a - b).abs().max() / max(a.abs().max(), b.abs().max(), 1e-12)).item()
+
+
+@pytest.mark.parametrize("family, stages, tied", CASES)
+def test_stages_compute_the_models_logits_loss_and_gradients(family, stages, tied):
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(family_config(family, 5, tied)).eval()
+    batch = make_batch(3, 14, seed=4)
+    reference = model(**batch)
+    reference.loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    parts = [split_model(model, s, stages) for s in range(stages)]
+    hidden = batch["input_ids"]
+    for part in parts:
+        hidden = part(hidden, attention_mask=batch["attention_mask"], logits=part is not parts[-1])
+    last = parts[-1]
+    logits = last.extras.logits(last.lm_head(hidden))
+    assert _relative(logits, reference.logits) < 1e-5, family
+    losses = next_token_losses(hidden, batch["labels"], last.lm_head, chunk_tokens=5, extras=last.extras)
+    loss = losses.sum() / target_token_count(batch["labels"])
+    assert abs(loss.item() - reference.loss.item()) < 1e-5 * reference.loss.item()
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert _relative(p.grad, expected[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_start_up_proof_passes_every_proven_family(family):
+    config = family_config(family, 6, tied=family in ("gemma", "qwen3"))
+    for stages in (1, 3):
+        assert split_problem(config, stage_layer_ranges(6, stages), loss_chunk_tokens=1024) is None
+
+
+def test_what_the_stages_do_not_reproduce_is_refused_naming_it(monkeypatch):
+    gemma2 = AutoConfig.for_model("gemma2", num_hidden_layers=4, final_logit_softcapping=30.0)
+    mixtral = AutoConfig.for_model("mixtral", num_hidden_layers=4, output_router_logits=True)
+    assert "output_router_logits is not reproduced by the stages" in split_problem(mixtral, [(0, 2), (2, 4)])
+    # A stage that forgot the soft-capping (the arithmetic of Gemma-2's ForCausalLM.forward):
+    monkeypatch.setattr(stage_module.ForwardExtras, "of", classmethod(lambda cls, config: cls()))
+    problem = split_problem(gemma2, [(0, 2), (2, 4)])
+    assert problem.startswith("gemma2: final_logit_softcapping is not reproduced by the stages"), problem
+
+
+def test_a_layer_type_the_stages_do_not_build_is_refused():
+    config = AutoConfig.for_model("qwen3", num_hidden_layers=2)
+    model = AutoModelForCausalLM.from_config(config)
+    config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="'linear_attention' are not reproduced by the stages"):
+        split_model(model, 1, 2)
+    # And a config that even the model cannot build is refused, not trained: the proof cannot be made.
+    assert "the split could not be proven" in split_problem(config, [(0, 1), (1, 2)])
+
+
+def test_the_shrunken_copy_keeps_each_stages_first_and_last_layer_and_their_settings():
+    config = AutoConfig.for_model(
+        "gemma3_text", num_hidden_layers=12, hidden_size=2048, head_dim=256, intermediate_size=8192
+    )
+    small, ranges = shrunken_config(config, [(0, 5), (5, 6), (6, 12)])
+    assert ranges == [(0, 2), (2, 3), (3, 5)] and small.num_hidden_layers == 5
+    assert small.layer_types == [config.layer_types[i] for i in (0, 4, 5, 6, 11)]
+    assert (small.hidden_size, small.head_dim) == (64, 16)
+    assert small.final_logit_softcapping == config.final_logit_softcapping
+    assert small.query_pre_attn_scalar == config.query_pre_attn_scalar
