@@ -157,10 +157,10 @@ TABLE_OPTIONS = dict(
 )
 
 
-def fit_table(offload: bool) -> dict:
-    """For each model and card: the fewest stages whose every stage fits (bf16 weights, activation
-    checkpointing, chunked loss, sequences of 4096, microbatch 1 and 2 x stages microbatches, NoLoCo with
-    pairs), and that stage's predicted peak."""
+def fit_table(offload: bool, master_weights: str = "float32") -> dict:
+    """For each model and card: the fewest stages whose every stage fits (bf16 weights, float32 masters unless
+    ``master_weights="none"``, activation checkpointing, chunked loss, sequences of 4096, microbatch 1 and 2 x
+    stages microbatches, NoLoCo with pairs), and that stage's predicted peak."""
     from transformers import AutoConfig
 
     from hf_noloco.estimate.memory import estimate_peak_memory
@@ -170,7 +170,8 @@ def fit_table(offload: bool) -> dict:
         config = AutoConfig.for_model(**model)
         peaks = {}
         for pp in range(1, config.num_hidden_layers + 1):
-            peaks[pp] = estimate_peak_memory(config, pp, offload_outer_state=offload, **TABLE_OPTIONS).peak
+            options = dict(TABLE_OPTIONS, offload_outer_state=offload, master_weights=master_weights)
+            peaks[pp] = estimate_peak_memory(config, pp, **options).peak
         row = {}
         for gb in TABLE_GPUS_GB:
             fits = [pp for pp, peak in peaks.items() if peak <= gb * 1e9 * TABLE_HEADROOM]
@@ -211,6 +212,7 @@ def predict(case) -> dict:
         schedule=case["schedule"],
         outer_optimizer=case["outer"],
         num_replicas=1,
+        master_weights="none",  # the measured stage is built in its dtype and trained as it is
     )
     return {**estimate.as_dict(), "static": estimate.static}
 
@@ -424,9 +426,11 @@ def main() -> None:
         print("RESULT " + json.dumps(measure(json.loads(args.child))), flush=True)
         return
     if args.table:
-        for offload in (False, True):
-            print(f"outer state {'offloaded to the CPU' if offload else 'on the GPU'}:")
-            print(table_markdown(fit_table(offload)))
+        for master in ("float32", "none"):
+            for offload in (False, True):
+                where = "offloaded to the CPU" if offload else "on the GPU"
+                print(f"master_weights {master}, outer state {where}:")
+                print(table_markdown(fit_table(offload, master)))
         return
     cases = QUICK_CASES if args.quick else CASES
     if args.only:

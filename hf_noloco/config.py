@@ -175,9 +175,9 @@ class NoLoCoConfig(TrainingArguments):
             How the trainer builds the model when it is given a Hub id, a folder or a config (as TRL's
             `SFTConfig.model_init_kwargs`; `hf-noloco-train` fills it from `dtype`, `attn_implementation`,
             `model_revision` and `trust_remote_code`). Keys: `dtype` (`"float32"`, the default; `"bfloat16"`:
-            weights, gradients and optimizer state in bf16, half the memory of float32, while the outer
-            state, slow weights and momentum, stays float32 so that NoLoCo's small averaged updates are not
-            rounded away; `"auto"`: the checkpoint's own dtype, float32 for a float16 one),
+            bf16 weights, trained through float32 masters unless `master_weights` is `"none"`; the outer
+            state, slow weights and momentum, stays float32 either way; `"auto"`: the checkpoint's own
+            dtype, float32 for a float16 one),
             `attn_implementation` (`"sdpa"`, the default, `"eager"`, or `"flash_attention_2"` where the
             flash_attn package is installed), `revision` (a Hub branch, tag or commit) and
             `trust_remote_code` (run the checkpoint's own modelling code; it must still be a Llama-family

@@ -135,6 +135,7 @@ class NoLoCoTrainer(Trainer):
         # The LoraConfig with its target modules resolved, once the adapters exist.
         self.peft_config = adapters.add_adapters(stage, peft_config, seed=args.seed) if peft_config else None
         self.export_config = copy.deepcopy(stage.config)  # before the Trainer switches off use_cache
+        self.weights_dtype = next(stage.parameters()).dtype  # what the model was asked in: the export's too
         if args.master_weights == "float32" and keep_float32_masters(stage):
             args.bf16, args.mixed_precision = True, "bf16"  # compute in bf16, as the weights' dtype asked
         if args.torch_compile:  # per decoder layer: the stage's own code (masks, routing) stays eager

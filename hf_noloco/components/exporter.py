@@ -44,7 +44,7 @@ def export_run(trainer, output_dir: str) -> None:
                 tokenizer=trainer.processing_class,
                 generation_config=trainer.base_generation_config,
                 replica=args.export_replica,
-                dtype=getattr(torch, args.export_dtype) if args.export_dtype else None,
+                dtype=getattr(torch, args.export_dtype) if args.export_dtype else trainer.weights_dtype,
                 trust_remote_code=(args.model_init_kwargs or {}).get("trust_remote_code", False),
             )
             if path is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from transformers import TrainerCallback
 
 from hf_noloco.engine.stage import ties_embeddings
@@ -49,7 +50,8 @@ def run_settings(trainer) -> dict:
         "weight_decay": args.weight_decay,
         "max_grad_norm": args.max_grad_norm,
         "mixed_precision": "bf16" if args.bf16 else "no",
-        "weights_dtype": str(next(stage.parameters()).dtype).removeprefix("torch."),
+        "weights_dtype": str(trainer.weights_dtype).removeprefix("torch."),
+        "master_weights": args.master_weights if trainer.weights_dtype == torch.bfloat16 else None,
         "activation_checkpointing": bool(args.activation_checkpointing),
         "loss_chunk_tokens": args.loss_chunk_tokens,
         "tied_embeddings": ties_embeddings(stage.config),

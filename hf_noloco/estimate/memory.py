@@ -180,6 +180,7 @@ def estimate_stage_memory(
     gossip_group_size: int = 2,
     stage_boundaries: Sequence[int] | None = None,
     stage_balance: str = "layers",
+    master_weights: str = "float32",
 ) -> MemoryEstimate:
     """Predicted peak bytes of ``stage`` of a ``pipeline_stages``-stage split of ``config`` during training.
 
@@ -188,9 +189,13 @@ def estimate_stage_memory(
     weights (``"float32"`` or ``"bfloat16"``), ``bf16_autocast`` (``bf16=True`` with float32 weights);
     ``outer_optimizer`` (``noloco``/``diloco`` keep float32 outer state; ``ddp`` all-reduces gradients;
     ``local`` neither); ``num_replicas`` and ``gossip_group_size`` size the outer step's receive buffers.
+    ``master_weights`` as the training option: with ``"float32"`` (its default) bf16 weights are trained as
+    float32 masters under bf16 autocast, which is what is counted; ``"none"``: pure bf16.
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}.")
+    if dtype == "bfloat16" and master_weights == "float32":
+        dtype, bf16_autocast = "float32", True  # the trained weights are float32 masters, computed in bf16
     mode = "bfloat16" if dtype == "bfloat16" else ("autocast" if bf16_autocast else "float32")
     act = 2 if mode == "bfloat16" else 4  # bytes of a hidden state between layers
     wbytes = 2 if dtype == "bfloat16" else 4

@@ -128,6 +128,8 @@ SETTING_LABELS = {
     "weight_decay": "Weight decay",
     "max_grad_norm": "Gradient clipping (max norm)",
     "mixed_precision": "Mixed precision",
+    "weights_dtype": "Weights' dtype",
+    "master_weights": "Master weights of bf16 weights",
     "seed": "Seed",
     "export_replica": "Exported weights",
     "adapter": "Adapters (only they trained)",

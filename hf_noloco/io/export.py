@@ -28,6 +28,7 @@ from torch import nn
 
 from hf_noloco.engine.buffers import consecutive_buckets, flatten, unflatten_into
 from hf_noloco.engine.comm import peer_call
+from hf_noloco.engine.loading import compute_missing_buffers
 from hf_noloco.rules import check_export_replica
 
 logger = logging.getLogger(__name__)
@@ -178,13 +179,15 @@ def save_from_this_rank(model, output_dir: str) -> None:
 
 
 def _rebuild_computed_buffers(model: nn.Module) -> None:
-    """Rotary embeddings hold computed, non-persistent buffers that a state dict does not carry: after a meta-
-    device build they must be recomputed on CPU (as :func:`hf_noloco.partition.build_stage` does)."""
+    """Non-persistent buffers (rotary frequencies, Gemma's embedding scale) are computed, not carried by a
+    state dict: after a meta-device build they are computed on the CPU, as
+    :func:`~hf_noloco.engine.loading.build_stage` does."""
     base = getattr(model, "model", None)
     rotary = getattr(base, "rotary_emb", None)
     if rotary is not None:
         with torch.device("cpu"):
             base.rotary_emb = type(rotary)(config=model.config)
+    compute_missing_buffers(model, model)
     left = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(

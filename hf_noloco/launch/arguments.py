@@ -53,10 +53,10 @@ class ModelArguments:
         model_revision (`str` or `None`, *optional*, defaults to `None`):
             The Hub branch, tag or commit of `model_name_or_path` (and of its tokenizer). `None`: `main`.
         dtype (`str` or `None`, *optional*, defaults to `None`):
-            The weights' dtype: `"float32"` (what `None` means), `"bfloat16"` (weights, gradients and
-            optimizer state in bf16; the outer state stays float32) or `"auto"` (the checkpoint's own). The
-            export is written in it unless `export_dtype` says otherwise. float16 is refused (no loss
-            scaling).
+            The weights' dtype: `"float32"` (what `None` means), `"bfloat16"` (bf16 weights, trained through
+            float32 masters under bf16 autocast unless `master_weights` is `"none"`; the outer state stays
+            float32) or `"auto"` (the checkpoint's own). The export is written in it unless `export_dtype`
+            says otherwise. float16 is refused (no loss scaling).
         attn_implementation (`str` or `None`, *optional*, defaults to `None`):
             `"sdpa"` (what `None` means), `"eager"`, or `"flash_attention_2"` where the flash_attn package is
             installed.

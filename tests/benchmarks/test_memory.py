@@ -87,11 +87,18 @@ def test_estimates_follow_the_options():
     base = dict(seq_len=4096, microbatch_size=1, num_microbatches=8, outer_optimizer="noloco")
     plain = estimate_stage_memory(config, 4, 1, **base)
     ckpt = estimate_stage_memory(config, 4, 1, activation_checkpointing=True, **base)
-    bf16 = estimate_stage_memory(config, 4, 1, dtype="bfloat16", **base)
+    bf16 = estimate_stage_memory(config, 4, 1, dtype="bfloat16", master_weights="none", **base)
+    masters = estimate_stage_memory(config, 4, 1, dtype="bfloat16", **base)  # master_weights="float32"
+    autocast = estimate_stage_memory(config, 4, 1, bf16_autocast=True, **base)
     offload = estimate_stage_memory(config, 4, 1, offload_outer_state=True, **base)
     gpipe = estimate_stage_memory(config, 4, 1, schedule="gpipe", **base)
     assert ckpt.activations < plain.activations / 10 and ckpt.weights == plain.weights
     assert bf16.weights * 2 == plain.weights and bf16.outer == plain.outer == 8 * plain.parameters
+    # float32 masters under bf16 autocast: the weights, gradients and AdamW state of float32 training
+    assert (
+        masters == autocast
+        and masters.weights + masters.gradients + masters.optimizer == 16 * masters.parameters
+    )
     assert offload.outer == 0 and offload.peak < plain.peak
     assert gpipe.activations == plain.activations_per_microbatch * 8 and plain.activations == 3 * (
         plain.activations_per_microbatch

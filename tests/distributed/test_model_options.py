@@ -61,9 +61,11 @@ def _bf16_and_attention(folder):
     for name, init in {
         "float32": {},
         "bfloat16": {"dtype": "bfloat16"},
+        "bfloat16-pure": {"dtype": "bfloat16"},
         "eager": {"attn_implementation": "eager"},
     }.items():
-        args = _args(os.path.join(folder, name), model_init_kwargs=init, max_steps=12)
+        master = "none" if name == "bfloat16-pure" else "float32"
+        args = _args(os.path.join(folder, name), model_init_kwargs=init, max_steps=12, master_weights=master)
         trainer, losses = _run(folder, args)
         first = next(trainer.model.parameters())
         state = trainer.optimizer.state[first]
@@ -86,9 +88,11 @@ def test_bf16_weights_train_and_export_in_bf16_and_attention_is_chosen(tmp_path)
     tiny_model("llama", 2, seed=2).save_pretrained(tmp_path)
     [results] = run_distributed(_bf16_and_attention, 1, str(tmp_path), timeout_s=240)
     assert results["float32"]["dtype"] == torch.float32 and results["float32"]["attn"] == "sdpa"
-    bf16 = results["bfloat16"]
-    assert bf16["dtype"] == torch.bfloat16 and bf16["adam_dtype"] == torch.bfloat16  # weights and AdamW state
-    assert bf16["losses"][-1] < 0.8 * bf16["losses"][0], bf16["losses"]  # it trains
+    bf16, pure = results["bfloat16"], results["bfloat16-pure"]
+    assert bf16["dtype"] == bf16["adam_dtype"] == torch.float32  # float32 masters (master_weights's default)
+    assert pure["dtype"] == torch.bfloat16 and pure["adam_dtype"] == torch.bfloat16  # weights and AdamW state
+    for run in (bf16, pure):
+        assert run["losses"][-1] < 0.8 * run["losses"][0], run["losses"]  # it trains
     assert results["eager"]["attn"] == "eager"
     assert results["eager"]["losses"] == pytest.approx(results["float32"]["losses"], rel=1e-4)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export-bfloat16")
@@ -97,7 +101,7 @@ def test_bf16_weights_train_and_export_in_bf16_and_attention_is_chosen(tmp_path)
     told = AutoModelForCausalLM.from_pretrained(tmp_path / "export-bf16-as-fp32")
     assert told.dtype == torch.float32
     for (name, a), b in zip(exported.state_dict().items(), told.state_dict().values()):
-        assert torch.equal(a.float(), b), name  # the same weights, widened
+        assert torch.equal(a, b.to(torch.bfloat16)), name  # the float32 masters, and their bf16 rounding
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "export-float32").dtype == torch.float32
 
 

@@ -294,3 +294,14 @@ def test_members_agree_on_the_first_proposal_and_a_dropped_rank_leaves():
     finally:
         for m in members.values():
             m.close()
+
+
+def test_a_bug_that_raises_a_runtime_error_is_not_taken_for_a_lost_peer(tmp_path):
+    """Lost peers are told by the error's type: a RuntimeError whose text reads like NCCL's, raised by code of
+    ours during evaluation, stops the run on every rank instead of skipping the evaluation."""
+    env = dict(CONTINUE, FAULT="bug-eval:2:-1", MAX_STEPS="4")
+    codes, _, logs, _ = launch(tmp_path / "run", world=4, **env)
+    assert codes == [1] * 4, [log[-2000:] for log in logs]
+    for log in logs:
+        assert "RuntimeError: CUDA error: an NCCL operation timed out (Socket closed)" in log
+        assert "evaluation interrupted" not in log and "evaluation skipped" not in log

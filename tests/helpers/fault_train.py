@@ -72,6 +72,15 @@ class StopAtStepEnd(TrainerCallback):
             die(signal.SIGSTOP)
 
 
+class EvaluateAtStep(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_evaluate = True
+
+
 def install_fault(trainer, rank: int) -> None:
     from hf_noloco.resilience import elastic
 
@@ -80,6 +89,15 @@ def install_fault(trainer, rank: int) -> None:
         return  # a fault strikes the first attempt only, not the workers a launcher restarts
     kind, step, victim = spec.split(":")
     step, victim = int(step), int(victim)
+    if kind == "bug-eval":  # on every rank: a bug raising a RuntimeError that reads like a lost peer's
+        import hf_noloco.trainer as trainer_module
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("CUDA error: an NCCL operation timed out (Socket closed)")
+
+        trainer_module.evaluate_pipeline = broken
+        trainer.add_callback(EvaluateAtStep(step))
+        return
     if rank != victim:
         return
     in_step = lambda: trainer.state.global_step == step - 1

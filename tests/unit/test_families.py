@@ -52,8 +52,10 @@ def test_the_start_up_proof_passes_every_proven_family(family):
 
 
 def test_what_the_stages_do_not_reproduce_is_refused_naming_it(monkeypatch):
-    gemma2 = AutoConfig.for_model("gemma2", num_hidden_layers=4, final_logit_softcapping=30.0)
-    mixtral = AutoConfig.for_model("mixtral", num_hidden_layers=4, output_router_logits=True)
+    gemma2 = family_config("gemma2", 4)
+    gemma2.final_logit_softcapping = 30.0
+    mixtral = family_config("mixtral", 4)
+    mixtral.output_router_logits = True
     assert "output_router_logits is not reproduced by the stages" in split_problem(mixtral, [(0, 2), (2, 4)])
     # A stage that forgot the soft-capping (the arithmetic of Gemma-2's ForCausalLM.forward):
     monkeypatch.setattr(stage_module.ForwardExtras, "of", classmethod(lambda cls, config: cls()))
@@ -62,7 +64,7 @@ def test_what_the_stages_do_not_reproduce_is_refused_naming_it(monkeypatch):
 
 
 def test_a_layer_type_the_stages_do_not_build_is_refused():
-    config = AutoConfig.for_model("qwen3", num_hidden_layers=2)
+    config = family_config("qwen3", 2)
     model = AutoModelForCausalLM.from_config(config)
     config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValueError, match="'linear_attention' are not reproduced by the stages"):
@@ -81,3 +83,31 @@ def test_the_shrunken_copy_keeps_each_stages_first_and_last_layer_and_their_sett
     assert (small.hidden_size, small.head_dim) == (64, 16)
     assert small.final_logit_softcapping == config.final_logit_softcapping
     assert small.query_pre_attn_scalar == config.query_pre_attn_scalar
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+def test_a_checkpoint_with_computed_buffers_loads_and_exports_as_hf_does(tmp_path, family):
+    """Gemma's embedding scale is a non-persistent buffer: no checkpoint holds it, so building a stage from
+    the files and rebuilding the model for the export must compute it, as from_pretrained does."""
+    from hf_noloco.engine.loading import build_stage
+    from hf_noloco.io.export import build_model_from_state_dict
+
+    config = family_config(family, 4)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    batch = make_batch(2, 10, seed=1)
+    stage = build_stage(reference.config, 0, 1, checkpoint=tmp_path).eval()
+    logits = stage(batch["input_ids"], attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(logits, reference(**batch).logits, rtol=1e-5, atol=1e-6)
+    rebuilt = build_model_from_state_dict(reference.config, reference.state_dict())
+    torch.testing.assert_close(rebuilt(**batch).logits, reference(**batch).logits, rtol=0, atol=0)
+
+
+def test_a_mixture_of_experts_checkpoint_in_another_layout_is_refused_naming_the_tensor(tmp_path):
+    from hf_noloco.engine.loading import build_stage
+
+    config = family_config("mixtral", 2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"holds no tensor model\.layers\.0\..* saved in another layout"):
+        build_stage(config, 0, 1, checkpoint=tmp_path)
