@@ -10,7 +10,7 @@ to the `datasets` cache. The same corpus is then read by the ordinary path (`pre
 packed ahead into the cache, then iterated), for contrast.
 
     python benchmarks/streaming_memory.py          # corpora of 8, 32 and 128 MB of text: about 15 minutes
-    python benchmarks/streaming_memory.py --quick  # 2 and 8 MB: seconds; checks the machinery
+    python benchmarks/streaming_memory.py --quick  # 1 and 2 MB: seconds; checks the machinery
 
 Writes benchmarks/results/streaming_memory.json (streaming_memory_quick.json with --quick).
 """
@@ -29,7 +29,7 @@ import time
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHARD_MB = {"full": 8, "quick": 1}
-SIZES_MB = {"full": [8, 32, 128], "quick": [2, 8]}
+SIZES_MB = {"full": [8, 32, 128], "quick": [1, 2]}
 BLOCK = 1024
 BATCH = 8
 WORDS = [

@@ -42,6 +42,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 60.0) -> list
 
     Returns the list of per-rank results. A failure on any rank raises with that rank's traceback.
     """
+    # Forked ranks inherit what this process imported: importing the trainer (torch.distributed,
+    # transformers, accelerate) once here spares each rank the seconds it takes.
+    import hf_noloco.trainer  # noqa: F401
+
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _worker,

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import hf_noloco.trainer  # noqa: F401 - imported once here, inherited by every forked rank
 from hf_noloco.engine.comm import free_port
 from tests.helpers import fault_train
 from tests.helpers.paths import HELPERS
