@@ -412,8 +412,7 @@ def check_replica_loss(c) -> None:
     if c.routing_domain != "global":
         raise ValueError(
             "on_replica_loss='continue' needs routing_domain='global': node groups would no longer divide "
-            "the "
-            "live replicas."
+            "the live replicas."
         )
     if (not c.use_cpu and torch.cuda.is_available()) or c.ddp_backend not in (None, "gloo"):
         raise ValueError(

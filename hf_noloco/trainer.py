@@ -571,8 +571,7 @@ class NoLoCoTrainer(Trainer):
 
     def end(self):
         """Finishes the wandb run (the Trainer never does) and destroys the process group. After a replica
-        loss
-        (``on_replica_loss="continue"``) this process ends here, with status 0: see below."""
+        loss (``on_replica_loss="continue"``) this process ends here, with status 0: see below."""
         if self.is_world_process_zero():
             finish_wandb()
         try:

@@ -84,8 +84,8 @@ def routed_links(
     router: Router, num_stages: int, stage: int, replica: int, step: int, first_sample: int, micro: int
 ) -> Links:
     """The peers of ``replica`` of ``stage`` for each microbatch of a step, as ``router`` pairs the replicas
-    at
-    the stage's two boundaries. ``first_sample`` is the replica's sample counter at the start of the step."""
+    at the stage's two boundaries. ``first_sample`` is the replica's sample counter at the start of the
+    step."""
 
     def by_rank(replicas: list[int], peer_stage: int) -> dict[int, list[int]]:
         return {rank_of(r, peer_stage, num_stages): rows for r, rows in group_rows_by_peer(replicas).items()}
@@ -127,8 +127,7 @@ def step_plan(
     order: Sequence[tuple[str, int]], rank: int, is_first: bool, is_last: bool, links: Links
 ) -> list:
     """The plan of one step of global rank ``rank``: its computes in ``order`` (see :func:`pipeline_order`),
-    with
-    every communication between two computes gathered into one :class:`Post`, sends first."""
+    with every communication between two computes gathered into one :class:`Post`, sends first."""
     plan, sends, recvs = [], [], []
     links = functools.lru_cache(maxsize=None)(links)  # each microbatch's peers, drawn once for F and B
 

@@ -1,6 +1,5 @@
 """What ``hf-noloco-train`` adds to :class:`~hf_noloco.NoLoCoConfig`: which model (:class:`ModelArguments`)
-and
-which data (:class:`DataArguments`), as TRL's scripts take them beside their config.
+and which data (:class:`DataArguments`), as TRL's scripts take them beside their config.
 """
 
 from __future__ import annotations

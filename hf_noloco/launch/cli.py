@@ -54,8 +54,7 @@ class NoLoCoArgumentParser(HfArgumentParser):
             "--config",
             metavar="RECIPE",
             help="A recipe YAML: its keys are defaults, which the options given on the command line "
-            "override. It "
-            "may also be given as the first argument.",
+            "override. It may also be given as the first argument.",
         )
         self.field_types = {
             f.name: typing.get_type_hints(dtype)[f.name]
@@ -126,8 +125,7 @@ class NoLoCoArgumentParser(HfArgumentParser):
             if not isinstance(key, str) or key not in self.field_types:
                 raise ConfigError(
                     f"{path}: unknown option {key!r}.{self._suggestion(str(key))} `hf-noloco-train --help` "
-                    "lists "
-                    "the valid ones."
+                    "lists the valid ones."
                 )
         return recipe
 
@@ -137,8 +135,7 @@ class NoLoCoArgumentParser(HfArgumentParser):
 
     def _default(self, key: str, value, path: str):
         """A recipe value as a parser default. Scalars become text, so argparse converts (and checks) them as
-        if
-        typed on the command line; lists and mappings go where the option's type takes them."""
+        if typed on the command line; lists and mappings go where the option's type takes them."""
         kinds = _kinds(self.field_types[key])
         if isinstance(value, dict):
             if dict not in kinds:
