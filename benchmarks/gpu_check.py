@@ -15,6 +15,7 @@ within p2p_timeout. Writes benchmarks/results/gpu_check.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,41 @@ import time
 import torch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
+CHILD_TIMEOUT = 900  # seconds one launched check may take
+
+
+def run_children(
+    commands: list[list[str]], envs: list[dict], timeout: float
+) -> tuple[list[int | None], list[str]]:
+    """Starts each command in a session of its own and waits for all of them at most ``timeout`` seconds in
+    all; returns their exit codes (``None``: killed at the timeout) and outputs. A command still running then
+    is killed with its whole process group (torchrun's workers, a hung rank's threads): nothing is left on
+    the GPUs."""
+    procs = [
+        subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for command, env in zip(commands, envs)
+    ]
+    deadline, codes, logs = time.monotonic() + timeout, [], []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            codes.append(proc.returncode)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            codes.append(None)
+        logs.append(out or "")
+    return codes, logs
 
 
 def _model_config(hidden: int, layers: int, vocab: int = 512):
@@ -155,17 +191,43 @@ def pipeline_worker(out: str, device: str, kill_rank: int | None) -> None:
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 3 and trainer.mesh.rank == kill_rank:
+                print(f"GPU_CHECK_KILLED_AT {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    class Stall(TrainerCallback):
+        """Wall time against GPU time per step: a host that never blocks keeps the GPU busy through it."""
+
+        def __init__(self):
+            self.steps = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if device == "cuda":
+                self.begin, self.wall = torch.cuda.Event(enable_timing=True), time.monotonic()
+                self.begin.record()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if device == "cuda":
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                end.synchronize()
+                self.steps.append(((time.monotonic() - self.wall) * 1e3, self.begin.elapsed_time(end)))
+
+    stall = Stall()
     trainer.add_callback(Kill())
+    trainer.add_callback(stall)
     start = time.monotonic()
-    trainer.train()
+    try:
+        trainer.train()
+    except Exception:
+        print(f"GPU_CHECK_RAISED_AT {time.time():.3f}", flush=True)
+        raise
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if trainer.mesh.rank == 0:
-        print(
-            f"GPU_CHECK_RESULT {json.dumps({'losses': losses, 'seconds': time.monotonic() - start})}",
-            flush=True,
-        )
+        record = {"losses": losses, "seconds": time.monotonic() - start}
+        if stall.steps:
+            walls, gpus = sorted(w for w, _ in stall.steps[1:]), sorted(g for _, g in stall.steps[1:])
+            record["stall"] = {"wall_ms": walls[len(walls) // 2], "gpu_ms": gpus[len(gpus) // 2]}
+        print(f"GPU_CHECK_RESULT {json.dumps(record)}", flush=True)
     trainer.end()
 
 
@@ -180,26 +242,27 @@ def multi_process_checks(device: str, nproc: int, out: str) -> list[tuple[str, b
         __file__,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    done = subprocess.run(
-        [*base, "--worker", "--device", device, "--out", os.path.join(out, "pp2")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    [code], [log] = run_children(
+        [[*base, "--worker", "--device", device, "--out", os.path.join(out, "pp2")]], [env], CHILD_TIMEOUT
     )
-    result = [line for line in done.stdout.splitlines() if line.startswith("GPU_CHECK_RESULT ")]
-    if done.returncode == 0 and result:
+    result = [line for line in log.splitlines() if line.startswith("GPU_CHECK_RESULT ")]
+    if code == 0 and result:
         record = json.loads(result[0].split(" ", 1)[1])
         first, last = record["losses"][0], record["losses"][-1]
         detail = f"{nproc} ranks, 6 steps in {record['seconds']:.1f} s, loss {first:.3f} -> {last:.3f}"
         rows.append(("pp=2 1f1b with large messages completes", True, detail))
+        if record.get("stall"):
+            stall = record["stall"]
+            detail = f"median per step: wall {stall['wall_ms']:.1f} ms, GPU {stall['gpu_ms']:.1f} ms"
+            rows.append(("host stall per step (CUDA events against wall time)", True, detail))
     else:
-        rows.append(("pp=2 1f1b with large messages completes", False, done.stderr[-1500:]))
+        why = "timed out: killed with its process group" if code is None else f"exit {code}"
+        rows.append(("pp=2 1f1b with large messages completes", False, f"{why}: {log[-1500:]}"))
     # Plain processes, no launcher agent (which would stop the survivors itself): their own waits must find
     # the dead peer and say which it is.
     from hf_noloco.launch.local_launch import free_port
 
-    port, start, procs = free_port(), time.monotonic(), []
+    port, start, commands, envs = free_port(), time.monotonic(), [], []
     for rank in range(nproc):
         rank_env = dict(
             env,
@@ -221,24 +284,28 @@ def multi_process_checks(device: str, nproc: int, out: str) -> list[tuple[str, b
             "--kill-rank",
             "1",
         ]
-        procs.append(
-            subprocess.Popen(
-                command, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    logs = [p.communicate(timeout=900)[0] for p in procs]
+        commands.append(command)
+        envs.append(rank_env)
+    codes, logs = run_children(commands, envs, CHILD_TIMEOUT)
     seconds = time.monotonic() - start
     survivors = [r for r in range(nproc) if r != 1]
     named = all("rank 1 (stage 1, replica 0)" in logs[r] for r in survivors)
-    failed = all(procs[r].returncode not in (0, None) for r in survivors)
+    failed = all(codes[r] not in (0, None) for r in survivors)
+    killed = [float(t) for log in logs for t in _marks(log, "GPU_CHECK_KILLED_AT ")]
+    raised = [float(t) for r in survivors for t in _marks(logs[r], "GPU_CHECK_RAISED_AT ")]
+    named_after = f", named {max(raised) - killed[0]:.1f} s after the kill" if killed and raised else ""
     rows.append(
         (
             "a killed rank ends the job, named by every survivor",
             failed and named,
-            f"exit codes {[p.returncode for p in procs]} after {seconds:.0f} s",
+            f"exit codes {codes} after {seconds:.0f} s{named_after}",
         )
     )
     return rows
+
+
+def _marks(log: str, prefix: str) -> list[str]:
+    return [line.split(prefix, 1)[1].split()[0] for line in log.splitlines() if prefix in line]
 
 
 def main() -> int:
@@ -254,6 +321,7 @@ def main() -> int:
     parser.add_argument(
         "--no-save", action="store_true", help="do not write benchmarks/results/gpu_check.json"
     )
+    parser.add_argument("--out-json", default=RESULTS, help="where the results go")
     args = parser.parse_args()
     if args.worker:
         pipeline_worker(args.out, args.device, args.kill_rank)
@@ -262,28 +330,45 @@ def main() -> int:
     if args.device == "cuda" and gpus == 0:
         print("SKIP every check: no CUDA device (run with --device cpu to check the same paths on CPU)")
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        out = args.out or tmp
-        rows = single_process_checks(args.device, os.path.join(out, "single"))
-        if args.device == "cpu" or gpus >= 2:
-            nproc = 2 if args.device == "cpu" else (4 if gpus >= 4 else 2)
-            rows += multi_process_checks(args.device, nproc, out)
-        else:
-            rows.append(("pp=2 and a killed rank", None, "need 2 GPUs or more"))
-    for check, passed, detail in rows:
-        print(f"{'SKIP' if passed is None else 'PASS' if passed else 'FAIL'} {check}: {detail}", flush=True)
-    if not args.no_save:
-        device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-        record = {
-            "device": device,
-            "gpus": gpus,
-            "torch": torch.__version__,
-            "checks": [{"check": c, "passed": p, "detail": d} for c, p, d in rows],
-        }
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "w") as f:
-            json.dump(record, f, indent=2)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = args.out or tmp
+            rows += _guarded("pp=1 checks", single_process_checks, args.device, os.path.join(out, "single"))
+            if args.device == "cpu" or gpus >= 2:
+                nproc = 2 if args.device == "cpu" else (4 if gpus >= 4 else 2)
+                rows += _guarded("pp=2 and a killed rank", multi_process_checks, args.device, nproc, out)
+            else:
+                rows.append(("pp=2 and a killed rank", None, "need 2 GPUs or more"))
+    finally:  # every check reported and recorded, whatever happened to the others
+        for check, passed, detail in rows:
+            print(
+                f"{'SKIP' if passed is None else 'PASS' if passed else 'FAIL'} {check}: {detail}", flush=True
+            )
+        if not args.no_save:
+            write_results(args.out_json, args.device, gpus, rows)
     return 0 if all(p is not False for _, p, _ in rows) else 1
+
+
+def _guarded(name: str, check, *args) -> list[tuple[str, bool | None, str]]:
+    """The rows of ``check``, or one FAIL row naming what it raised."""
+    try:
+        return check(*args)
+    except Exception as exc:  # noqa: BLE001 - a check that fails is reported, never fatal to the others
+        return [(name, False, f"{type(exc).__name__}: {str(exc)[-1500:]}")]
+
+
+def write_results(path: str, device: str, gpus: int, rows) -> None:
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    record = {
+        "device": name,
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "checks": [{"check": c, "passed": p, "detail": d} for c, p, d in rows],
+    }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
 
 
 if __name__ == "__main__":

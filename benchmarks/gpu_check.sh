@@ -2,10 +2,15 @@
 # The GPU-only paths, on a machine with CUDA: one line per check (PASS / FAIL / SKIP).
 #   bash benchmarks/gpu_check.sh               # from the repository root
 # Writes benchmarks/results/gpu_check.json (engine checks) and benchmarks/results/gpu_memory_check.json (a
-# stage's peak memory and tokens/s against hf_noloco.memory's prediction). Exits non-zero if a check failed.
+# stage's peak memory and tokens/s against the memory model's prediction). Exits non-zero if a check failed.
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+echo "gpu_check: ${gpus} GPU(s). Needs 1 GPU for the pp=1 checks (about 1 minute), 2 for pp=2 and a killed"
+echo "rank (2-3 minutes), 4 for sample routing across replicas; each launched check is killed after 15 minutes."
+if [ "$gpus" -lt 1 ]; then echo "SKIP: no CUDA device (python benchmarks/gpu_check.py --device cpu runs them on CPU)"; fi
+if [ "$gpus" -lt 2 ]; then echo "SKIP (will be): pp=2 with 16 MiB messages, a killed rank: need 2 GPUs or more"; fi
 status=0
 python3 benchmarks/gpu_check.py "$@" || status=1
 python3 benchmarks/gpu_memory_check.py --out benchmarks/results/gpu_memory_check.json || status=1

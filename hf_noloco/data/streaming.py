@@ -152,7 +152,11 @@ class TokenStream(torch.utils.data.IterableDataset):
         blocks = 0
         while self.repeat or self.max_blocks is None or blocks < self.max_blocks:
             blocks += 1
-            yield {"input_ids": [0] * self.block_size}
+            # the keys of a real row: a padded stream's rows carry a mask, which the stages then pass on
+            row = {"input_ids": [0] * self.block_size}
+            if not self.packing:
+                row["attention_mask"] = [1] * self.block_size
+            yield row
 
     def _rows(self, position: dict):
         """``(source state before the row, source state after it, row)`` of this shard from ``position`` on,

@@ -53,6 +53,18 @@ def interrupt_waits_on(event: threading.Event | None) -> None:
     _interrupt = event
 
 
+# On NCCL (use_stream_waits) a wait makes the current CUDA stream wait for the operation and returns at once:
+# the host never blocks per message, and a lost peer is found by the heartbeat watcher instead
+# (hf_noloco.resilience.watch.PeerWatch.watch_peers) and by NCCL's watchdog.
+_stream_waits = False
+
+
+def use_stream_waits(enabled: bool) -> None:
+    """Waits become stream waits (NCCL: ``enabled``), or bounded host waits (gloo, the default)."""
+    global _stream_waits
+    _stream_waits = enabled
+
+
 def free_port() -> int:
     """A free TCP port on loopback (for a one-process group, or local launches)."""
     with socket.socket() as s:
@@ -159,6 +171,9 @@ def wait_sends(pending: Sequence[tuple[dist.Work, str]], timeout: float, context
 
 
 def _wait(work: dist.Work, timeout: float, action: str, context: str) -> None:
+    if _stream_waits:
+        work.wait()  # NCCL: the stream waits, not the host (see use_stream_waits)
+        return
     try:
         if _interrupt is not None:
             completed = _interruptible_wait(work, timeout, _interrupt, action, context)

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hf_noloco.engine.comm import free_port, group_timeout
+from hf_noloco.engine.comm import free_port, group_timeout, use_stream_waits
 from hf_noloco.rules import mesh_shape, rank_of
 
 
@@ -81,6 +81,15 @@ class PipelineMesh:
             else:
                 dist.distributed_c10d._set_pg_timeout(backend_timeout, group)
 
+    def abort(self) -> None:
+        """Aborts every NCCL communicator of this rank (a peer is lost: what waits on it fails now, instead of
+        after the watchdog's timeout). Through torch's private abort, where it has one."""
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        for group in dict.fromkeys(self._groups):
+            with contextlib.suppress(Exception):  # best effort: the watchdog still ends what this misses
+                if abort is not None:
+                    abort(group if group is not None else dist.group.WORLD)
+
     @contextlib.contextmanager
     def patient(self, seconds: float):
         """Waits inside may take up to ``seconds`` (set-up, checkpoint and export I/O); then the timeout
@@ -121,6 +130,7 @@ class PipelineMesh:
             group = mesh._new_group(ranks)
             if mesh.rank in ranks:
                 mesh.column_group = group
+        use_stream_waits(dist.get_backend() == "nccl")
         # torch requires every rank of a group in its first batched point-to-point call; with tied embeddings
         # and 3+ stages the first one (the gradient sum) involves only the first and last stages. A barrier
         # makes the first operation on the default group one of every rank.

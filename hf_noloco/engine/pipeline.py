@@ -26,12 +26,13 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
-from hf_noloco.engine.comm import abandon, exchange, wait_collective, wait_sends
+from hf_noloco.engine.comm import abandon, collective, exchange, wait_sends
 from hf_noloco.engine.losses import next_token_losses, target_token_count
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.routing import Router
-from hf_noloco.engine.schedule import BACKWARD, FORWARD, Post, pipeline_order, routed_links, step_plan
+from hf_noloco.engine.schedule import BACKWARD, FORWARD, Post, routed_links, step_plan
 from hf_noloco.engine.stage import PipelineStage
 from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice, check_microbatch_size, check_positive_int
 
@@ -101,6 +102,7 @@ class PipelineEngine:
         self.device = next(stage.parameters()).device
         self.activation_dtype = next(stage.parameters()).dtype
         self.wire_dtype = wire_dtype or self.activation_dtype
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # see _index
         self.step_index = 0  # training steps run: the routing key of `step` granularity
         self.samples_seen = 0  # per-replica samples trained on: the routing key of `sample` granularity
 
@@ -126,8 +128,15 @@ class PipelineEngine:
             totals[0], totals[1] = result.loss.double(), result.target_tokens
         if self.mesh.num_stages > 1:
             last = self.mesh.rank_of(self.mesh.replica, self.mesh.num_stages - 1)
-            work = torch.distributed.broadcast(totals, last, group=self.mesh.column_group, async_op=True)
-            wait_collective(work, self.p2p_timeout, self._context("the evaluation loss broadcast", None))
+            what = self._context("the evaluation loss broadcast", None)
+            collective(
+                dist.broadcast,
+                totals,
+                last,
+                group=self.mesh.column_group,
+                timeout=self.p2p_timeout,
+                what=what,
+            )
         return totals[0].item(), int(totals[1].item())
 
     def state_dict(self) -> dict[str, int]:
@@ -143,6 +152,9 @@ class PipelineEngine:
         input_ids = batch["input_ids"]
         rows, seq_len = self._check_batch(batch, micro)
         mesh, stage = self.mesh, self.stage
+        # Every rank of a column reads the same kind of batch: without a mask (packed blocks) the stages pass
+        # none, and HF's mask code has no padding to look for (which would wait for the device).
+        has_mask = batch.get("attention_mask") is not None
         meta = self._make_meta(batch, rows, seq_len) if stage.is_first else None
         inputs, outputs, sample_ids = {}, {}, []
         outgoing, arrived, pending = {}, {}, []  # (phase, m) -> tensors to send / received; sends in flight
@@ -160,7 +172,7 @@ class PipelineEngine:
                 x, mb_meta = arrived.pop((FORWARD, m))
                 x = x.to(self.activation_dtype).requires_grad_(training)
             sample_ids.append(mb_meta[:, 0])
-            labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len)
+            labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len, has_mask)
             with self.autocast():
                 y = stage(x, attention_mask=attention_mask, position_ids=position_ids, logits=False)
                 if stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
@@ -191,14 +203,13 @@ class PipelineEngine:
                 outgoing[BACKWARD, m] = (x.grad.to(self.wire_dtype),)
 
         self.peak_microbatches_held = 0
-        order = pipeline_order(
-            self.schedule if training else "forward", rows // micro, mesh.num_stages, stage.stage_index
-        )
         links = routed_links(
             router, mesh.num_stages, mesh.stage, mesh.replica, self.step_index, self.samples_seen, micro
         )
+        schedule = self.schedule if training else "forward"
+        plan = step_plan(schedule, rows // micro, mesh.num_stages, mesh.stage, mesh.rank, links)
         try:
-            for item in step_plan(order, mesh.rank, stage.is_first, stage.is_last, links):
+            for item in plan:
                 if isinstance(item, Post):
                     pending += self._post(item, outgoing, arrived, micro, seq_len)
                 elif item.phase == FORWARD:
@@ -228,12 +239,20 @@ class PipelineEngine:
         check_microbatch_size(rows, micro, what="The per-replica batch")
         return rows, seq_len
 
+    def _index(self, rows: tuple[int, ...]) -> torch.Tensor:
+        """The rows of a message as an index on the device, made once per distinct set of rows (a
+        microbatch has few): no host-to-device copy, and so no wait for the device, per message."""
+        index = self._indices.get(rows)
+        if index is None:
+            index = self._indices[rows] = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return index
+
     def _make_meta(self, batch: dict[str, torch.Tensor], rows: int, seq_len: int) -> torch.Tensor:
         """The per-row record that travels with each activation (built on the first stage)."""
         labels = batch.get("labels")
         labels = batch["input_ids"] if labels is None else labels
         mask = batch.get("attention_mask")
-        mask = torch.ones_like(labels) if mask is None else mask
+        mask = torch.zeros_like(labels) if mask is None else mask  # no mask: its slot is not read
         positions = batch.get("position_ids")
         positions = torch.arange(seq_len).expand(rows, seq_len) if positions is None else positions
         # Sample ids are unique over the run: (per-replica sample index) * dp + origin replica.
@@ -254,7 +273,7 @@ class PipelineEngine:
         for msg in post.sends:
             tensors = outgoing[msg.phase, msg.microbatch]
             if len(msg.rows) != micro:  # the rows routed to this peer
-                index = torch.tensor(msg.rows, device=self.device)
+                index = self._index(msg.rows)
                 tensors = tuple(t.index_select(0, index) for t in tensors)
             sends += [(t, msg.dst) for t in tensors]
         recvs, parts = [], []
@@ -287,7 +306,7 @@ class PipelineEngine:
             return parts[0][1]
         whole = tuple(t.new_empty(micro, *t.shape[1:]) for t in parts[0][1])
         for msg, buffers in parts:
-            index = torch.tensor(msg.rows, device=self.device)
+            index = self._index(msg.rows)
             for target, buffer in zip(whole, buffers):
                 target.index_copy_(0, index, buffer)
         return whole
@@ -298,6 +317,7 @@ class PipelineEngine:
         return where if m is None else f"{where} of microbatch {m}"
 
 
-def _unpack_meta(meta: torch.Tensor, seq_len: int):
+def _unpack_meta(meta: torch.Tensor, seq_len: int, has_mask: bool):
     body = meta[:, _META_FIXED:]
-    return body[:, :seq_len], body[:, seq_len : 2 * seq_len], body[:, 2 * seq_len :]
+    mask = body[:, seq_len : 2 * seq_len] if has_mask else None
+    return body[:, :seq_len], mask, body[:, 2 * seq_len :]

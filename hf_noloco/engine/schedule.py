@@ -116,19 +116,30 @@ def mesh_plans(
     plans = {}
     for replica in range(router.num_replicas):
         for stage in range(num_stages):
-            order = pipeline_order(schedule, num_micro, num_stages, stage)
             links = routed_links(router, num_stages, stage, replica, step, first_sample, micro)
             rank = rank_of(replica, stage, num_stages)
-            plans[rank] = step_plan(order, rank, stage == 0, stage == num_stages - 1, links)
+            plans[rank] = step_plan(schedule, num_micro, num_stages, stage, rank, links)
     return plans
 
 
-def step_plan(
-    order: Sequence[tuple[str, int]], rank: int, is_first: bool, is_last: bool, links: Links
-) -> list:
-    """The plan of one step of global rank ``rank``: its computes in ``order`` (see :func:`pipeline_order`),
-    with every communication between two computes gathered into one :class:`Post`, sends first."""
-    plan, sends, recvs = [], [], []
+def step_plan(schedule: str, num_micro: int, num_stages: int, stage: int, rank: int, links: Links) -> list:
+    """The plan of one step of global rank ``rank`` (of ``stage``): its computes in
+    :func:`pipeline_order`, and between two computes the sends of the first and the receives of the second.
+
+    They go into ONE batch when the neighbour they are exchanged with does the mirror image: a forward's sends
+    with the next backward's receives when the next stage runs that backward right before that forward (and
+    the reverse); the steady state of 1F1B, which could not complete otherwise (see the module's docstring).
+    Everywhere else (warm-up and cool-down, GPipe, evaluation) the sends are posted first, then the receives,
+    in two batches: a batch that held operations matched by two different batches of one neighbour could only
+    complete if both ran at once, which a stream never does (:func:`find_deadlock`'s atomic reading)."""
+    order = pipeline_order(schedule, num_micro, num_stages, stage)
+    neighbours = {
+        side: _successors(pipeline_order(schedule, num_micro, num_stages, stage + side))
+        for side in (-1, 1)
+        if 0 <= stage + side < num_stages
+    }
+    is_first, is_last = stage == 0, stage == num_stages - 1
+    plan, sends = [], []
     links = functools.lru_cache(maxsize=None)(links)  # each microbatch's peers, drawn once for F and B
 
     def messages(peers: Mapping[int, Sequence[int]], phase: str, m: int, outgoing: bool) -> list[Message]:
@@ -139,26 +150,49 @@ def step_plan(
             for peer, rows in peers.items()
         ]
 
+    done = None  # the compute just done, whose sends are pending
     for phase, m in order:
         previous, following = links(m)
+        recvs = []
         if phase == FORWARD and not is_first:
-            recvs += messages(previous, FORWARD, m, outgoing=False)
+            recvs = messages(previous, FORWARD, m, outgoing=False)
         if phase == BACKWARD and not is_last:
-            recvs += messages(following, BACKWARD, m, outgoing=False)
-        if sends or recvs:
+            recvs = messages(following, BACKWARD, m, outgoing=False)
+        if sends and recvs and _mirrored(done, (phase, m), neighbours):
             plan.append(Post(tuple(sends), tuple(recvs)))
-            sends, recvs = [], []
+        else:
+            plan += [Post(tuple(sends), ())] if sends else []
+            plan += [Post((), tuple(recvs))] if recvs else []
         plan.append(Compute(phase, m))
+        done, sends = (phase, m), []
         if phase == FORWARD and not is_last:
-            sends += messages(following, FORWARD, m, outgoing=True)
+            sends = messages(following, FORWARD, m, outgoing=True)
         if phase == BACKWARD and not is_first:
-            sends += messages(previous, BACKWARD, m, outgoing=True)
+            sends = messages(previous, BACKWARD, m, outgoing=True)
     if sends:
         plan.append(Post(tuple(sends), ()))
     return plan
 
 
-def find_deadlock(plans: Mapping[int, Sequence]) -> str | None:
+def _successors(order: Sequence[tuple[str, int]]) -> dict[tuple[str, int], tuple[str, int]]:
+    """``{compute: the compute right after it}`` of one stage's order."""
+    return dict(zip(order, order[1:]))
+
+
+def _mirrored(done, following, neighbours) -> bool:
+    """Whether the sends of ``done`` and the receives of ``following`` are exchanged with one neighbour that
+    runs the two matching computes back to back, the other way round."""
+    if done is None:
+        return False
+    (phase_a, a), (phase_b, b) = done, following
+    if phase_a == FORWARD and phase_b == BACKWARD:  # both with the next stage: its B_b, then its F_a
+        return neighbours.get(1, {}).get((BACKWARD, b)) == (FORWARD, a)
+    if phase_a == BACKWARD and phase_b == FORWARD:  # both with the previous stage: its F_b, then its B_a
+        return neighbours.get(-1, {}).get((FORWARD, b)) == (BACKWARD, a)
+    return False
+
+
+def find_deadlock(plans: Mapping[int, Sequence], atomic: bool = True) -> str | None:
     """Runs the plans of all ranks under NCCL's rules; ``None`` when they all finish, else what is stuck.
 
     The rules, for one process group: each rank executes its :class:`Post` batches in order, one at a time
@@ -166,6 +200,12 @@ def find_deadlock(plans: Mapping[int, Sequence]) -> str | None:
     is executing; a batch ends when all its operations have completed. Computes never wait on other ranks
     (their inputs arrive through the posts before them). Messages between two ranks match in posting order, so
     the order in which ``src`` sends to ``dst`` must be the order in which ``dst`` receives from ``src``.
+
+    ``atomic`` (the default) is the strictest reading of a grouped batch: it completes only together with
+    every batch that holds a partner of one of its operations, and those with theirs, all at the heads of
+    their streams at once. Whether NCCL lets some operations of a group finish before the group's others
+    depends on how it schedules point-to-point work inside a group; a plan safe under this reading is safe
+    whatever it does. ``atomic=False``: operations complete one by one, as soon as both ends are running.
     """
     sent: dict[tuple[int, int], list[Message]] = {}
     received: dict[tuple[int, int], list[Message]] = {}
@@ -187,6 +227,8 @@ def find_deadlock(plans: Mapping[int, Sequence]) -> str | None:
                 f"{_names(received.get(pair, []))}: unmatched or out of order"
             )
 
+    if atomic:
+        return _atomic_deadlock(streams)
     head = dict.fromkeys(streams, 0)
     done: set[tuple[str, Message]] = set()  # ("send" or "recv", message)
     progress = True
@@ -212,6 +254,54 @@ def find_deadlock(plans: Mapping[int, Sequence]) -> str | None:
         waiting += [f"recv {_name(m)} from rank {m.src}" for m in post.recvs if ("recv", m) not in done]
         lines.append(f"rank {rank} waits to {', '.join(waiting)}")
     return "deadlock: " + "; ".join(lines)
+
+
+def _atomic_deadlock(streams: Mapping[int, list[Post]]) -> str | None:
+    """:func:`find_deadlock` under the atomic reading: a batch completes only with the closure of the batches
+    holding its operations' partners, all at the heads of their streams."""
+    head = dict.fromkeys(streams, 0)
+    where = {}  # (kind, message) -> (rank, index of the batch that holds it)
+    for rank, posts in streams.items():
+        for i, post in enumerate(posts):
+            where.update({("send", m): (rank, i) for m in post.sends})
+            where.update({("recv", m): (rank, i) for m in post.recvs})
+
+    def closure(rank: int) -> set[int] | None:
+        """The ranks whose head batches must complete with ``rank``'s, or None if one of them is not at its
+        head."""
+        group, todo = set(), [rank]
+        while todo:
+            r = todo.pop()
+            if r in group:
+                continue
+            group.add(r)
+            post = streams[r][head[r]]
+            partners = [where[("recv", m)] for m in post.sends] + [where[("send", m)] for m in post.recvs]
+            for peer, index in partners:
+                if head[peer] != index:
+                    return None
+                todo.append(peer)
+        return group
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in streams:
+            if head[rank] < len(streams[rank]):
+                group = closure(rank)
+                if group is not None:
+                    for r in group:
+                        head[r] += 1
+                    progress = True
+    stuck = {rank: posts[head[rank]] for rank, posts in streams.items() if head[rank] < len(posts)}
+    if not stuck:
+        return None
+    lines = []
+    for rank, post in sorted(stuck.items()):
+        ops = [f"send {_name(m)} to rank {m.dst}" for m in post.sends]
+        ops += [f"recv {_name(m)} from rank {m.src}" for m in post.recvs]
+        lines.append(f"rank {rank} waits in a batch of [{', '.join(ops)}]")
+    return "deadlock (atomic batches): " + "; ".join(lines)
 
 
 def _name(msg: Message) -> str:

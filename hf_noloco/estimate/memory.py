@@ -17,7 +17,12 @@ what it holds for the whole run and the largest thing it holds for a moment:
 - **the loss**: the last stage's float32 log-probabilities and their gradients, ``tokens x vocabulary``
   floats each, for a whole microbatch or, with ``loss_chunk_tokens``, for one chunk.
 - **transients**: a layer's backward temporaries, and the outer step's flat buffers (which for a large
-  embedding matrix are as large as the matrix in float32).
+  embedding matrix are as large as the matrix in float32), with the wire copies of ``outer_dtype``.
+- **an overlapped outer step** (``outer_overlap_steps`` > 0) holds, for the whole of its exchange, a float32
+  copy of the stage's weights as they were sent and the wire copies sent and received.
+- **NCCL's communicators** (``nccl=True``, an estimate): buffers per connected peer, 32 MiB each (NCCL's
+  default 4 MiB buffer, two channels, both directions, simple and LL128 protocols rounded up); a rank connects
+  to the replicas of its two neighbour stages, its gossip partners and its collective rings.
 
 The coefficients are not fitted: they are the sizes of the tensors autograd saves (listed per layer in the
 comments below). ``benchmarks/memory.py`` checks the predictions against the peak resident memory measured
@@ -56,11 +61,12 @@ class MemoryEstimate:
     activations_per_microbatch: int
     backward_extra: int  # momentary, on top of the activations: a layer's backward, the loss
     outer_step_extra: int  # momentary, after the backward: the outer step's (or ddp's) flat buffers
+    communicators: int  # NCCL's buffers (estimated; 0 without nccl)
     peak: int  # see estimate_stage_memory
 
     @property
     def static(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.outer
+        return self.weights + self.gradients + self.optimizer + self.outer + self.communicators
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -181,6 +187,9 @@ def estimate_stage_memory(
     stage_boundaries: Sequence[int] | None = None,
     stage_balance: str = "layers",
     master_weights: str = "float32",
+    outer_dtype: str = "float32",
+    outer_overlap_steps: int = 0,
+    nccl: bool = False,
 ) -> MemoryEstimate:
     """Predicted peak bytes of ``stage`` of a ``pipeline_stages``-stage split of ``config`` during training.
 
@@ -190,7 +199,8 @@ def estimate_stage_memory(
     ``outer_optimizer`` (``noloco``/``diloco`` keep float32 outer state; ``ddp`` all-reduces gradients;
     ``local`` neither); ``num_replicas`` and ``gossip_group_size`` size the outer step's receive buffers.
     ``master_weights`` as the training option: with ``"float32"`` (its default) bf16 weights are trained as
-    float32 masters under bf16 autocast, which is what is counted; ``"none"``: pure bf16.
+    float32 masters under bf16 autocast, which is what is counted; ``"none"``: pure bf16. ``outer_dtype``
+    and ``outer_overlap_steps`` as the training options; ``nccl`` adds the communicators' buffers.
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}.")
@@ -217,6 +227,15 @@ def estimate_stage_memory(
     optimizer = 2 * params * wbytes  # AdamW: exp_avg, exp_avg_sq in the weights' dtype
     has_outer = outer_optimizer in ("noloco", "diloco")
     outer = 8 * params if has_outer and not offload_outer_state else 0
+    wire = 2 if outer_dtype == "bfloat16" else 4
+    partners = min(gossip_group_size, num_replicas) - 1
+    if has_outer and outer_overlap_steps:  # held while the exchange runs: theta_k and the wire copies
+        received = partners if outer_optimizer == "noloco" else 0
+        outer += params * (4 + wire * (1 + received))
+    communicators = 0
+    if nccl:
+        peers = 2 * num_replicas + partners + 4  # both neighbour stages' replicas, partners, the rings
+        communicators = 32 * 2**20 * peers
 
     # What one microbatch in flight keeps for its backward.
     layer_full = _layer_bytes_per_token(s, mode)
@@ -263,10 +282,10 @@ def estimate_stage_memory(
             loss_backward = max(softmax, head)
     bucket = max(counts["buckets"])
     if outer_optimizer == "noloco":
-        partners = min(gossip_group_size, num_replicas) - 1
-        outer_step = bucket * 4 * (1 + partners)  # own weights and each partner's, float32
+        # own weights in float32 and on the wire; per partner its copy, and (bf16 wire) its float32 difference
+        outer_step = bucket * (4 + (wire if wire != 4 else 0) + partners * (wire + (4 if wire != 4 else 0)))
     elif outer_optimizer == "diloco":
-        outer_step = bucket * 4 * 3  # weights, pseudo-gradient, its mean
+        outer_step = bucket * (4 + wire + 4)  # weights, pseudo-gradient on the wire, its float32 mean
     elif outer_optimizer == "ddp":
         outer_step = bucket * grad_bytes * 2
     else:
@@ -288,7 +307,7 @@ def estimate_stage_memory(
         backward = max(first_backward_starts, first_backward_ends)
     # After the backward: the column's gradient norm, in float32 a slice of at most 2**24 elements at a time.
     norm = min(counts["largest"], 2**24) * 4 if wbytes != 4 else 0
-    peak = weights + optimizer + outer + max(backward, gradients + max(outer_step, norm))
+    peak = weights + optimizer + outer + communicators + max(backward, gradients + max(outer_step, norm))
     return MemoryEstimate(
         stage,
         counts["layers"],
@@ -301,6 +320,7 @@ def estimate_stage_memory(
         per_micro,
         backward_extra,
         outer_step,
+        communicators,
         peak,
     )
 

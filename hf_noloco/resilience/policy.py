@@ -44,6 +44,8 @@ class ReplicaLossPolicy:
 
     def __init__(self, mesh: PipelineMesh, watch: PeerWatch, p2p_timeout: float):
         self.mesh, self.watch, self.p2p_timeout = mesh, watch, p2p_timeout
+        if mesh.device.type == "cuda":  # stream waits never time out: the heartbeats find a lost peer
+            watch.watch_peers(silence_limit(p2p_timeout), lambda lost: mesh.abort())
 
     @property
     def offline(self) -> bool:
@@ -56,7 +58,9 @@ class ReplicaLossPolicy:
         return 0
 
     def begin_step(self) -> None:
-        """Called as every training step begins."""
+        """Called as every training step begins (a host sync point): a peer the watcher found lost is
+        named."""
+        self.watch.raise_if_lost(self.mesh.describe_rank)
 
     def tolerate(self, what: str, work: Callable[[], T], fallback: Callable[[], T], step: int) -> T:
         """``work()``; what a lost peer during it does is this policy's to decide (here: raise)."""

@@ -35,21 +35,38 @@ class PeerWatch:
     or cut off). The first failing rank stores its diagnosis; ranks that fail after it (their peer is gone)
     just read it, so every rank's error names the lost peer. All of this is best effort: without a reachable
     store (e.g. it lived in a rank that died) the errors are the plain ones.
+
+    On NCCL the training thread's waits do not block the host
+    (:func:`hf_noloco.engine.comm.use_stream_waits`), so they cannot time out and name a peer:
+    :meth:`watch_peers` then watches every peer's heartbeat from a thread, and a peer silent for ``silence``
+    seconds is named by :meth:`raise_if_lost` at the training thread's next host sync (once per step), after
+    ``on_lost`` has aborted the communicators that would hang on it.
+    ``store``: the store to use (default: the default process group's).
     """
 
-    def __init__(self, rank: int, world_size: int, interval: float = 0.5, own_connection: bool = False):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        interval: float = 0.5,
+        own_connection: bool = False,
+        store: dist.Store | None = None,
+    ):
         self.rank, self.world_size, self.interval = rank, world_size, interval
         self._prefix = "hf_noloco/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._stop = threading.Event()
-        try:
-            from torch.distributed.distributed_c10d import _get_default_store
+        self.lost: list[int] = []  # peers the watcher found silent (see watch_peers)
+        self.store = store
+        if store is None:
+            try:
+                from torch.distributed.distributed_c10d import _get_default_store
 
-            self.store = _get_default_store()
-            if own_connection:
-                self.store = _second_connection(self.store)
-        except Exception:  # noqa: BLE001 - no store (e.g. a custom init): no diagnosis, plain errors
-            self.store = None
-            return
+                self.store = _get_default_store()
+                if own_connection:
+                    self.store = _second_connection(self.store)
+            except Exception:  # noqa: BLE001 - no store (e.g. a custom init): no diagnosis, plain errors
+                self.store = None
+                return
         self._thread = threading.Thread(target=self._beat, name="hf_noloco-heartbeat", daemon=True)
         self._thread.start()
 
@@ -60,6 +77,44 @@ class PeerWatch:
             except Exception:  # noqa: BLE001 - store gone: nothing left to tell
                 return
             self._stop.wait(self.interval)
+
+    def watch_peers(self, silence: float, on_lost: Callable[[list[int]], None]) -> None:
+        """Starts watching every peer's heartbeat from a thread; a peer silent for ``silence`` seconds
+        (killed, frozen, cut off) goes into :attr:`lost` and ``on_lost(lost)`` is called, once."""
+        if self.store is None:
+            return
+        watcher = threading.Thread(
+            target=self._watch, args=(silence, on_lost), name="hf_noloco-watch", daemon=True
+        )
+        watcher.start()
+
+    def _watch(self, silence: float, on_lost: Callable[[list[int]], None]) -> None:
+        keys = [f"{self._prefix}/beat/{r}" for r in range(self.world_size) if r != self.rank]
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        seen: dict[int, tuple[int, float]] = {}
+        while not self._stop.wait(self.interval):
+            try:
+                beats = [self.store.add(key, 0) for key in keys]
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to watch
+                return
+            now = time.monotonic()
+            silent = []
+            for rank, beat in zip(peers, beats):
+                last = seen.get(rank)
+                if last is None or last[0] != beat:
+                    seen[rank] = (beat, now)
+                elif beat and now - last[1] >= silence:  # a peer that never beat is still starting
+                    silent.append(rank)
+            if silent:
+                self.lost = silent
+                on_lost(silent)
+                return
+
+    def raise_if_lost(self, describe: Callable[[int], str]) -> None:
+        """Raises a :class:`~hf_noloco.engine.comm.PeerError` naming the peers the watcher found silent."""
+        if self.lost:
+            names = ", ".join(describe(r) for r in self.lost)
+            raise PeerError(f"{describe(self.rank)}: Peers that stopped responding: {names}")
 
     def close(self) -> None:
         """Stops the heartbeat and waits for its thread: a thread left inside a store call while the

@@ -38,7 +38,7 @@ def test_no_plan_deadlocks(schedule, num_stages):
         micro = 1 + (num_micro + num_replicas) % 3  # rows per microbatch: split over up to 3 peers
         for router in _routers(num_replicas, case=100 * num_stages + 20 * num_replicas + num_micro):
             plans = mesh_plans(schedule, num_stages, router, num_micro, micro, step=5, first_sample=7 * micro)
-            problem = find_deadlock(plans)
+            problem = find_deadlock(plans) or find_deadlock(plans, atomic=False)  # both readings
             assert problem is None, (
                 schedule,
                 num_stages,
@@ -58,11 +58,47 @@ def test_no_plan_deadlocks(schedule, num_stages):
 def test_the_old_posting_order_of_1f1b_deadlocks(num_stages, num_replicas, granularity):
     plans = mesh_plans("1f1b", num_stages, Router(num_replicas, granularity, seed=1), num_micro=8, micro=2)
     assert find_deadlock(plans) is None
-    problem = find_deadlock({rank: _separate(plan) for rank, plan in plans.items()})
+    problem = find_deadlock({rank: _separate(plan) for rank, plan in plans.items()}, atomic=False)
     assert problem is not None and problem.startswith("deadlock: rank 0 waits to send x"), problem
     # GPipe posted separately happens to be safe: all sends of a phase come before any receive of the next.
     gpipe = mesh_plans("gpipe", num_stages, Router(num_replicas, granularity, seed=1), num_micro=8, micro=2)
-    assert find_deadlock({rank: _separate(plan) for rank, plan in gpipe.items()}) is None
+    separate = {rank: _separate(plan) for rank, plan in gpipe.items()}
+    assert find_deadlock(separate) is None and find_deadlock(separate, atomic=False) is None
+
+
+def _merged(plan):
+    """The plans the engine posted before the atomic reading: one batch between any two computes."""
+    merged = []
+    for item in plan:
+        if isinstance(item, Post) and merged and isinstance(merged[-1], Post):
+            merged[-1] = Post(merged[-1].sends + item.sends, merged[-1].recvs + item.recvs)
+        else:
+            merged.append(item)
+    return merged
+
+
+def test_the_old_gpipe_plan_fails_the_atomic_reading_and_the_new_one_passes_both():
+    router = Router(2, "sample", seed=1)
+    plans = mesh_plans("gpipe", 2, router, num_micro=4, micro=2)
+    old = {rank: _merged(plan) for rank, plan in plans.items()}
+    assert find_deadlock(old, atomic=False) is None  # safe when operations complete one by one
+    problem = find_deadlock(old)
+    assert problem is not None and problem.startswith("deadlock (atomic batches)"), problem
+    assert find_deadlock(plans) is None and find_deadlock(plans, atomic=False) is None
+    # 1F1B with fewer microbatches than stages has the same warm-up shape; its steady state stays one batch.
+    short = mesh_plans("1f1b", 3, router, num_micro=1, micro=2)
+    assert find_deadlock({r: _merged(p) for r, p in short.items()}) is not None
+    steady = mesh_plans("1f1b", 2, router, num_micro=4, micro=2)
+    assert any(isinstance(i, Post) and i.sends and i.recvs for plan in steady.values() for i in plan)
+
+
+def test_the_atomic_reading_needs_partner_batches_at_their_heads_at_once():
+    x = Message("F", 0, 0, 1, (0,))
+    g = Message("B", 0, 1, 0, (0,))
+    # One batch of rank 0 matched by two batches of rank 1: never both at rank 1's head.
+    split = {0: [Post((x,), (g,))], 1: [Post((), (x,)), Post((g,), ())]}
+    assert find_deadlock(split, atomic=False) is None and find_deadlock(split) is not None
+    assert find_deadlock({0: [Post((x,), (g,))], 1: [Post((g,), (x,))]}) is None  # mirrored batches
 
 
 def test_the_checker_follows_the_stream_rules():
