@@ -55,7 +55,7 @@ def load_corpus(corpus: str, block_size: int, vocab_size: int, max_eval_blocks: 
     """Packed (train, eval) datasets of ``corpus`` (a text file or the built-in corpus) and its tokenizer.
 
     The BPE tokenizer is trained on the train documents once and cached in the temp folder; the 5%
-    validation carve-out is by document (hf_noloco.data.load_splits), so no block mixes both sides.
+    validation carve-out is by document (hf_noloco.data.datasets.load_splits), so no block mixes both sides.
     ``max_docs`` keeps only the first that many train (and eval) documents (the smoke mode).
     """
     import datasets

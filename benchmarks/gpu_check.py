@@ -157,6 +157,12 @@ def single_process_checks(device: str, out: str) -> list[tuple[str, bool, str]]:
         got = model(ids).logits.float()
     error = (got - expected).abs().max().item()
     rows.append(("export reloads and reproduces the stage's logits", error < 1e-3, f"max |diff| {error:.2e}"))
+    # A plain `python` process sees every GPU: the Trainer's own batch would be per-device rows x GPUs.
+    per_device = resumed.args.per_device_train_batch_size
+    seen = next(iter(resumed.get_train_dataloader()))["input_ids"].shape[0]
+    visible = torch.cuda.device_count() if device == "cuda" else 0
+    detail = f"{seen} rows (per_device_train_batch_size {per_device}; {visible} GPUs visible)"
+    rows.append(("a batch is per_device_train_batch_size rows", seen == per_device, detail))
     resumed.end()
     return rows
 
@@ -229,6 +235,46 @@ def pipeline_worker(out: str, device: str, kill_rank: int | None) -> None:
             record["stall"] = {"wall_ms": walls[len(walls) // 2], "gpu_ms": gpus[len(gpus) // 2]}
         print(f"GPU_CHECK_RESULT {json.dumps(record)}", flush=True)
     trainer.end()
+
+
+def tied_diloco_worker(out: str, device: str) -> None:
+    """One rank of DiLoCo dp 4 x pp 2 with tied embeddings (under torchrun, 8 ranks): the two copies of the
+    tied matrix (stage 0's embeddings, stage 1's lm_head) are compared after every outer step."""
+    from transformers import TrainerCallback
+
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    config = _model_config(256, 4)
+    config.tie_word_embeddings = True
+    args = _args(out, device, pipeline_stages=2, outer_optimizer="diloco", inner_steps=2, max_steps=8)
+    trainer = NoLoCoTrainer(config, args, train_dataset=_corpus(256, 128))
+    compared = []
+
+    class Compare(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % 2 == 0:  # an outer step ended this step
+                trainer.tied.check_equal()  # raises, naming both ranks, if the copies differ
+                compared.append(state.global_step)
+
+    trainer.add_callback(Compare())
+    trainer.train()
+    if trainer.mesh.rank == 0:
+        print(f"GPU_CHECK_TIED {json.dumps({'compared_after_steps': compared})}", flush=True)
+    trainer.end()
+
+
+def tied_diloco_check(device: str, out: str) -> list[tuple[str, bool, str]]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", __file__]
+    command += ["--worker", "tied-diloco", "--device", device, "--out", os.path.join(out, "tied")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    [code], [log] = run_children([command], [env], CHILD_TIMEOUT)
+    marks = _marks(log, "GPU_CHECK_TIED ")
+    name = "DiLoCo dp 4 x pp 2, tied embeddings: the copies equal after every outer step"
+    if code == 0 and marks:
+        steps = json.loads(log.split("GPU_CHECK_TIED ", 1)[1].splitlines()[0])["compared_after_steps"]
+        return [(name, steps == [2, 4, 6, 8], f"compared after steps {steps}")]
+    why = "timed out: killed with its process group" if code is None else f"exit {code}"
+    return [(name, False, f"{why}: {log[-1500:]}")]
 
 
 def multi_process_checks(device: str, nproc: int, out: str) -> list[tuple[str, bool, str]]:
@@ -316,13 +362,16 @@ def main() -> int:
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     parser.add_argument("--out", help="working folder (default: a temporary one)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs="?", const="pipeline", help=argparse.SUPPRESS)
     parser.add_argument("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--no-save", action="store_true", help="do not write benchmarks/results/gpu_check.json"
     )
     parser.add_argument("--out-json", default=RESULTS, help="where the results go")
     args = parser.parse_args()
+    if args.worker == "tied-diloco":
+        tied_diloco_worker(args.out, args.device)
+        return 0
     if args.worker:
         pipeline_worker(args.out, args.device, args.kill_rank)
         return 0
@@ -340,6 +389,10 @@ def main() -> int:
                 rows += _guarded("pp=2 and a killed rank", multi_process_checks, args.device, nproc, out)
             else:
                 rows.append(("pp=2 and a killed rank", None, "need 2 GPUs or more"))
+            if args.device == "cuda" and gpus >= 8:
+                rows += _guarded("tied DiLoCo dp 4 x pp 2", tied_diloco_check, args.device, out)
+            else:  # on gloo, tests/distributed/test_never_silently_wrong.py checks the same copies
+                rows.append(("tied DiLoCo dp 4 x pp 2", None, "need 8 GPUs"))
     finally:  # every check reported and recorded, whatever happened to the others
         for check, passed, detail in rows:
             print(

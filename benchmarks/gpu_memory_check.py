@@ -1,5 +1,5 @@
 """GPU checks of the memory work: a stage trained on one GPU, its tokens/s and peak memory against
-hf_noloco.memory's prediction. One line per check.
+hf_noloco.estimate.memory's prediction. One line per check.
 
 Each check trains one stage as its rank would (benchmarks/memory.py's StageRun: the stage's 1F1B order of
 microbatches, clipping, fused AdamW, DiLoCo's outer step for the outer-state check), three steps untimed then

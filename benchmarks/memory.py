@@ -1,4 +1,4 @@
-"""Peak memory of one pipeline stage on CPU, measured, against hf_noloco.memory's prediction.
+"""Peak memory of one pipeline stage on CPU, measured, against hf_noloco.estimate.memory's prediction.
 
 Real model configurations (Llama-3.2-1B whole; Llama-3.1-8B and Qwen3-8B with fewer layers, so that a stage
 fits this machine; real hidden, MLP, head and vocabulary sizes), built on the meta device with only the
@@ -281,7 +281,7 @@ class StageRun:
         import torch
 
         from hf_noloco.engine.losses import next_token_losses, target_token_count
-        from hf_noloco.engine.pipeline import pipeline_order
+        from hf_noloco.engine.schedule import pipeline_order
 
         case, stage, g, dev = self.case, self.stage, self.generator, self.device
         micro, seq = case["micro"], case["seq"]

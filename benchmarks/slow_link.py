@@ -107,7 +107,7 @@ SETTINGS = {
         overlap_steps=3,
         ddp_steps=2,
         rounds=1,
-        configs=["ddp global", "noloco global", "noloco node overlap", "local global", "local node"],
+        configs=["ddp global", "noloco node overlap", "local global", "local node"],
         link_gbits=[1],
     ),
 }

@@ -113,7 +113,7 @@ class NoLoCoConfig(TrainingArguments):
             from the newest intact checkpoint, by hand or with a launcher's `--max-restarts`). `"continue"`:
             the lost rank's whole replica column is dropped and the others train on to `max_steps` (NoLoCo
             and `local` only, on gloo, with one launch per replica column from `python -m
-            hf_noloco.column_launch`, whose store outlives every worker; see `hf_noloco/membership.py`).
+            hf_noloco.column_launch`, whose store outlives every worker; see `docs/fault-tolerance.md`).
             A rank is lost when killed, or when its heartbeat in the store stops for `min(p2p_timeout, 10)`
             seconds (frozen, cut off). The step during which the loss happened is skipped by the survivors
             that had not finished it; the lost column's data shard is skipped for the rest of the run;

@@ -9,6 +9,7 @@ metrics.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 from transformers import TrainerCallback
@@ -66,19 +67,15 @@ def run_settings(trainer) -> dict:
 def finish_wandb() -> None:
     """Finishes this process's wandb run, if any (the Trainer never does: an offline run writes its records
     only then)."""
-    try:
-        import wandb
-    except ImportError:
-        return
-    if wandb.run is not None:
+    wandb = sys.modules.get("wandb")  # never imported: no run (and no second spent importing it)
+    if wandb is not None and wandb.run is not None:
         wandb.finish()
 
 
 def wandb_url() -> str | None:
     """The page of this process's wandb run, if it has one online."""
-    try:
-        import wandb
-    except ImportError:
+    wandb = sys.modules.get("wandb")
+    if wandb is None:
         return None
     run = wandb.run
     return None if run is None or run.settings._offline else run.url

@@ -4,7 +4,7 @@ Ranks of one pipeline column (one replica, all stages) are consecutive, ``rank =
 column sits on one node when ``pp`` divides the processes per node. The mesh alone does not keep pipeline
 traffic inside a node: with ``sample``/``step`` routing and ``routing_domain: global`` a sample's next replica
 is drawn among all replicas of the next stage, wherever they run. ``routing_domain: node`` draws it among the
-replicas of the sender's node (:class:`hf_noloco.routing.Router` with a ``group_size``), and so does
+replicas of the sender's node (:class:`hf_noloco.engine.routing.Router` with a ``group_size``), and so does
 ``fixed`` routing trivially; then only outer syncs cross nodes (``hf_noloco.traffic`` counts the bytes).
 """
 

@@ -11,12 +11,12 @@ its labels, attention mask and position ids. The last stage weights each sample'
 mean of the replicas' gradients equals data parallel's gradient whatever the routing. Gradients go back
 along the same paths.
 
-The order of computes and messages is the plan of :mod:`hf_noloco.schedule` (1F1B by default, or GPipe),
-which batches every send with the receive the peer needs at the same moment, so that it cannot deadlock under
-NCCL; the engine runs that plan and nothing else. No forward is recomputed unless asked: activation
-checkpointing of the decoder layers (``PipelineStage.activation_checkpointing_enable``) and the chunked loss
-(``loss_chunk_tokens``) trade a recomputation for memory. Activations and gradients travel in ``wire_dtype``
-(bfloat16 under bf16 mixed precision: half the bytes) and are computed in the stage's dtype.
+The order of computes and messages is the plan of :mod:`hf_noloco.engine.schedule` (1F1B by default, or
+GPipe), which batches every send with the receive the peer needs at the same moment, so that it cannot
+deadlock under NCCL; the engine runs that plan and nothing else. No forward is recomputed unless asked:
+activation checkpointing of the decoder layers (``PipelineStage.activation_checkpointing_enable``) and the
+chunked loss (``loss_chunk_tokens``) trade a recomputation for memory. Activations and gradients travel in
+``wire_dtype`` (bfloat16 under bf16 mixed precision: half the bytes) and are computed in the stage's dtype.
 """
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ class PipelineEngine:
         p2p_timeout: seconds to wait for a peer before failing with an error that names it.
         autocast: a context manager factory wrapping each stage forward (e.g. bf16 autocast), or None.
         schedule: ``"1f1b"`` (bounded activation memory) or ``"gpipe"``; see
-            :func:`~hf_noloco.schedule.pipeline_order`.
+            :func:`~hf_noloco.engine.schedule.pipeline_order`.
         wire_dtype: the dtype activations and gradients travel in (default: the stage's own).
         loss_chunk_tokens: the last stage scores this many positions at a time, recomputing each chunk's
             logits in the backward pass, so it never holds a microbatch's full logits; ``None``: all at once
-            (see :func:`~hf_noloco.partition.next_token_losses`).
+            (see :func:`~hf_noloco.engine.losses.next_token_losses`).
     """
 
     def __init__(

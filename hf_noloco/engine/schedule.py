@@ -2,8 +2,8 @@
 
 A stage replica's step is a list of :class:`Compute` (the forward or backward of one microbatch) and
 :class:`Post` (one ``batch_isend_irecv``: some sends and receives posted together). :func:`step_plan` builds
-it; the engine (:mod:`hf_noloco.pipeline`) runs exactly that list, and :func:`find_deadlock` checks the lists
-of all ranks together.
+it; the engine (:mod:`hf_noloco.engine.pipeline`) runs exactly that list, and :func:`find_deadlock` checks
+the lists of all ranks together.
 
 Why the batching matters: NCCL runs a rank's point-to-point operations in posting order on one stream, and a
 send of a large message waits until its receiver has posted the matching receive (so does gloo, whatever the

@@ -1,7 +1,7 @@
 """How many bytes a training step moves per rank, and how many of them cross node boundaries. Pure arithmetic:
 no communication, no weights (a model config is read on the meta device).
 
-Placement: ranks are ``replica * pipeline_stages + stage`` (see :mod:`hf_noloco.mesh`) and node ``k``
+Placement: ranks are ``replica * pipeline_stages + stage`` (see :mod:`hf_noloco.engine.mesh`) and node ``k``
 holds ranks ``[k * procs_per_node, (k + 1) * procs_per_node)``, as torchrun and accelerate number them. Two
 kinds of traffic are counted, as the bytes each rank *sends* (every byte crossing a link is sent by exactly
 one rank, so a node's outgoing bytes are the sum over its ranks, and the total over ranks is what all links
@@ -159,7 +159,8 @@ def _ring_sends(stage_ranks: list[int], nbytes: float, procs_per_node: int) -> l
 
 def _gossip_partners(num_replicas: int, group_size: int) -> float:
     """Expected partners of a replica: the gossip groups are a fixed multiset of sizes (see
-    :func:`hf_noloco.gossip.gossip_groups`) and a replica lands in each position with equal probability."""
+    :func:`hf_noloco.outer.gossip.gossip_groups`) and a replica lands in each position with equal
+    probability."""
     num_groups = num_replicas // group_size
     sizes = [group_size + (1 if g < num_replicas % group_size else 0) for g in range(num_groups)]
     return sum(s * (s - 1) for s in sizes) / num_replicas

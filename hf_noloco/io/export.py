@@ -2,8 +2,9 @@
 
 The replicas of a stage never hold the same weights during NoLoCo training (there is no all-reduce), so the
 exported model is a *consensus*: the mean of the replicas of each stage, or one chosen replica. Because a
-:class:`~hf_noloco.partition.PipelineStage` keeps the full model's parameter names, the union of the stages'
-state dicts is the full model's state dict, and export is a merge on one rank followed by ``save_pretrained``.
+:class:`~hf_noloco.engine.stage.PipelineStage` keeps the full model's parameter names, the union of the
+stages' state dicts is the full model's state dict, and export is a merge on one rank followed by
+``save_pretrained``.
 
 Collectives, in order (every rank calls :func:`save_consensus_checkpoint`):
 
@@ -12,7 +13,7 @@ Collectives, in order (every rank calls :func:`save_consensus_checkpoint`):
    tensor (names, shapes and dtypes go first as one small object message).
 3. Rank ``dst`` builds the model on the meta device, assigns the merged tensors, and saves safetensors.
 
-The model card and the training-curve plot that go beside it are :mod:`hf_noloco.card`'s.
+The model card and the training-curve plot that go beside it are :mod:`hf_noloco.io.card`'s.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def consensus_state_dict(stage: nn.Module, mesh, replica: int | None = None) -> 
 
     Args:
         stage: this rank's stage module.
-        mesh: the :class:`~hf_noloco.mesh.PipelineMesh`.
+        mesh: the :class:`~hf_noloco.engine.mesh.PipelineMesh`.
         replica: ``None`` for the mean over replicas of every floating-point tensor (reduced in float32,
             returned in the tensor's own dtype); an index to take that replica's copy of every tensor.
 
@@ -129,7 +130,7 @@ def gather_full_state_dict(
     Args:
         stage_state_dict: this rank's stage tensors (e.g. from :func:`consensus_state_dict`); ignored outside
             column 0.
-        mesh: the :class:`~hf_noloco.mesh.PipelineMesh`.
+        mesh: the :class:`~hf_noloco.engine.mesh.PipelineMesh`.
         dst: global rank that receives; by default ``mesh.leader`` (rank 0 while no replica was lost).
 
     Returns:
@@ -240,7 +241,7 @@ def save_consensus_checkpoint(
     ``AutoModelForCausalLM.from_pretrained``.
 
     Args:
-        stage: this rank's stage. mesh: the :class:`~hf_noloco.mesh.PipelineMesh`.
+        stage: this rank's stage. mesh: the :class:`~hf_noloco.engine.mesh.PipelineMesh`.
         config: the full model's ``PretrainedConfig``.
         output_dir: destination folder (created if needed).
         tokenizer: saved next to the weights when given (anything with ``save_pretrained``).

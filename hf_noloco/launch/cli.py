@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import gc
 import logging
 import os
 import re
@@ -56,12 +57,10 @@ class NoLoCoArgumentParser(HfArgumentParser):
             help="A recipe YAML: its keys are defaults, which the options given on the command line "
             "override. It may also be given as the first argument.",
         )
-        self.field_types = {
-            f.name: typing.get_type_hints(dtype)[f.name]
-            for dtype in self.dataclass_types
-            for f in dataclasses.fields(dtype)
-            if f.init
-        }
+        self.field_types = {}
+        for dtype in self.dataclass_types:
+            hints = typing.get_type_hints(dtype)  # once per class: it evaluates every annotation of the MRO
+            self.field_types.update({f.name: hints[f.name] for f in dataclasses.fields(dtype) if f.init})
 
     def error(self, message):
         message = re.sub(r"(--[\w]+)/--[\w-]+", r"\1", message).rstrip(".")  # drop the --dashed-alias
@@ -425,6 +424,9 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
         data_args=data_args,
         peft_config=lora_config_of(model_args),
     )
+    # What start-up made (modules, configs, the datasets' metadata) lives to the end: out of the collector's
+    # sight, a full collection walks only what training allocates.
+    gc.freeze()
     resume = config.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
         resume = True  # the newest checkpoint in output_dir

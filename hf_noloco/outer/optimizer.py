@@ -15,7 +15,7 @@ of its own, while the next tau inner steps run. When it ends the outer update is
 that were sent (theta_k) and applied keeping the local progress made meanwhile:
 ``theta <- phi_new + (theta_now - theta_k)``. tau = 0 is the blocking outer step.
 
-The math is in :mod:`hf_noloco.gossip`; this file moves tensors and keeps the state.
+The math is in :mod:`hf_noloco.outer.gossip`; this file moves tensors and keeps the state.
 """
 
 from __future__ import annotations
@@ -667,8 +667,8 @@ class OuterOptimizer(torch.optim.Optimizer):
 
 
 def _buckets_isolating(sizes: list[int], limit: float, isolated: list[int]) -> list[list[int]]:
-    """:func:`~hf_noloco.comm.consecutive_buckets`, with the item of ``isolated`` (at most one) in a bucket
-    of its own."""
+    """:func:`~hf_noloco.engine.buffers.consecutive_buckets`, with the item of ``isolated`` (at most one) in
+    a bucket of its own."""
     if not isolated:
         return consecutive_buckets(sizes, limit)
     [i] = isolated

@@ -7,18 +7,19 @@ brain. The rendezvous store provides it, as long as it outlives every worker (``
 keeps it out of them).
 
 **Views.** View 0 is every column. View ``e + 1`` is proposed by the first rank that finds a lost peer: a
-communication error, or a peer whose heartbeat (:class:`~hf_noloco.comm.PeerWatch`) has been silent for
-``silence`` seconds. Its proposal (the live columns minus those of the ranks whose heartbeat stopped) is
-written with ``compare_set``, so the first writer wins and everyone adopts the stored value. A rank of a
-dropped column, or a frozen rank that wakes up to find itself left out, raises :class:`ReplicaDropped`.
+communication error, or a peer whose heartbeat (:class:`~hf_noloco.resilience.watch.PeerWatch`) has been
+silent for ``silence`` seconds. Its proposal (the live columns minus those of the ranks whose heartbeat
+stopped) is written with ``compare_set``, so the first writer wins and everyone adopts the stored value. A
+rank of a dropped column, or a frozen rank that wakes up to find itself left out, raises
+:class:`ReplicaDropped`.
 
 **Fences.** Every training step starts with a fence: a barrier through the store among the live ranks of the
 view. So at any moment all live ranks are in the same step, and a view change always takes effect at the next
 fence, the same one for everyone. Between the proposal and that fence a rank is *offline*: every wait raises
-at once (:func:`hf_noloco.comm.interrupt_waits_on`), and the trainer finishes the step without communication
-(the step's gradients dropped, no outer averaging, local logs, no checkpoint). At the fence the members of the
-new view meet, make new process groups among themselves (the lost ranks take no part, and no operation left
-half-done on an old group can ever match a new one), and step on.
+at once (:func:`hf_noloco.engine.comm.interrupt_waits_on`), and the trainer finishes the step without
+communication (the step's gradients dropped, no outer averaging, local logs, no checkpoint). At the fence the
+members of the new view meet, make new process groups among themselves (the lost ranks take no part, and no
+operation left half-done on an old group can ever match a new one), and step on.
 
 The pure part, :func:`live_after_loss`, is tested in one process; :class:`Membership` with a real store.
 """
@@ -67,7 +68,7 @@ class Membership:
     """The live replica columns of this run, as every live rank agrees on them.
 
     Args:
-        watch: this rank's :class:`~hf_noloco.comm.PeerWatch` (its store and heartbeats).
+        watch: this rank's :class:`~hf_noloco.resilience.watch.PeerWatch` (its store and heartbeats).
         rank / num_stages / num_replicas: the mesh shape and this rank.
         silence: seconds without a heartbeat after which a rank counts as lost: the trainer passes
             :func:`silence_limit` of ``p2p_timeout``.
@@ -202,8 +203,8 @@ class Membership:
 
     def barrier(self) -> None:
         """A barrier among the live ranks that does not adopt a pending view but raises
-        :class:`~hf_noloco.comm.ViewChange`: what was begun under one view (a checkpoint) cannot be finished
-        under the next."""
+        :class:`~hf_noloco.engine.comm.ViewChange`: what was begun under one view (a checkpoint) cannot be
+        finished under the next."""
         if self.interrupted.is_set() or not self._meet():
             raise ViewChange(f"rank {self.rank}: the live replicas are changing")
 

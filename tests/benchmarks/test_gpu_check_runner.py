@@ -32,7 +32,7 @@ def _alive(pid: int) -> bool:
 def test_a_hung_child_and_its_children_are_killed_at_the_timeout():
     start = time.monotonic()
     codes, logs = gpu_check.run_children([[sys.executable, "-c", HANG]], [dict(os.environ)], timeout=3)
-    assert codes == [None] and time.monotonic() - start < 30
+    assert codes == [None] and time.monotonic() - start < 60  # killed at 3 s, not left to sleep 600
     grandchild = int(logs[0].split("CHILD ")[1].split()[0])
     for _ in range(50):  # the kill is asynchronous: give the kernel a moment to reap
         if not _alive(grandchild):

@@ -1,4 +1,4 @@
-"""The memory model (hf_noloco.memory) against what autograd saves, and against the committed CPU
+"""The memory model (hf_noloco.estimate.memory) against what autograd saves, and against the committed CPU
 measurements of benchmarks/memory.py."""
 
 import json

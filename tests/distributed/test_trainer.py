@@ -364,6 +364,10 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
 
 def test_a_failing_rank_ends_the_whole_launch(tmp_path):
     """Launched as a user would: every rank fails before training, with the error shown; nothing hangs."""
+    from pydoc_data.topics import topics
+
+    corpus = tmp_path / "corpus.txt"  # a small local text: the check, not the built-in corpus, is tested
+    corpus.write_text("\n\n".join(topics[k] for k in sorted(topics)[:12]))
     env = dict(
         os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_DATASETS_CACHE=str(tmp_path / "cache")
     )
@@ -379,6 +383,10 @@ def test_a_failing_rank_ends_the_whole_launch(tmp_path):
         os.path.join(ROOT, "recipes", "llama-tiny", "noloco.yaml"),
         "--output_dir",
         str(tmp_path / "out"),
+        "--dataset_name",
+        str(corpus),
+        "--tokenizer_vocab_size",
+        "300",
         "--max_train_samples",
         "1",
         "--report_to",

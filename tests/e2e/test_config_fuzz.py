@@ -1,9 +1,9 @@
 """Bad configurations: many malformed recipes and overrides, each refused with a clear one-paragraph error
 that names the bad setting, never a traceback from deep inside torch or a hang.
 
-All cases go through ``hf_noloco.cli.parse_args`` in ONE driver subprocess (start-up dominates the cost);
-a few also run as the real command (``python recipes/train.py``, and one 2-rank torchrun launch) to check the
-exit status and what the user sees on stderr.
+All cases go through ``hf_noloco.launch.cli.parse_args`` in ONE driver subprocess (start-up dominates the
+cost); a few also run as the real command (``python recipes/train.py``, and one 2-rank torchrun launch) to
+check the exit status and what the user sees on stderr.
 """
 
 import json
@@ -516,4 +516,5 @@ def test_the_command_exits_2_with_one_line_on_every_rank(workspace):
     assert code != 0
     said = [r for r in range(2) if f"error (rank {r} of 2): export_replica must be in [0, 1), got 1." in err]
     assert said, err[-3000:]
-    assert 'hf_noloco/cli.py", line' not in err and 'hf_noloco/config.py", line' not in err, err[-3000:]
+    for where in ("hf_noloco/launch/cli.py", "hf_noloco/config.py"):
+        assert f'{where}", line' not in err, err[-3000:]

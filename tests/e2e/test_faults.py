@@ -27,8 +27,8 @@ from tests.helpers.fault_runs import FAULT_TRAIN, WORLD, _results, _state, launc
 from tests.helpers.paths import ROOT
 
 P2P_TIMEOUT = 3.0
-DETECT_MARGIN = 4.0  # the lost-peer diagnosis (1.5 s) and a loaded 2-core machine
-EXIT_MARGIN = 15.0  # Python's exit after the error (2-3 s here)
+DETECT_MARGIN = 10.0  # the lost-peer diagnosis (1.5 s) on a 2-core machine at load 10
+EXIT_MARGIN = 40.0  # Python's exit after the error (2-3 s on a quiet machine)
 DESCRIBE = {r: f"rank {r} (stage {r % 2}, replica {r // 2})" for r in range(WORLD)}
 
 
@@ -186,7 +186,7 @@ def test_torchrun_ends_the_whole_job_when_a_rank_is_killed(tmp_path):
         OMP_NUM_THREADS="1",
         TMPDIR=str(tmp_path),
         PYTHONUNBUFFERED="1",
-        P2P_TIMEOUT="30",
+        P2P_TIMEOUT="120",
     )  # a long timeout: the agent, not our detection, ends this job
     proc = subprocess.run(
         [
@@ -211,7 +211,7 @@ def test_torchrun_ends_the_whole_job_when_a_rank_is_killed(tmp_path):
     assert proc.returncode != 0
     assert re.search(r"rank\s*: 3 \(local_rank: 3\)", text) and "Signal 9 (SIGKILL)" in text, text[-3000:]
     [killed_at] = re.findall(r"sending SIGKILL to myself at monotonic ([0-9.]+)", text)
-    assert ended - float(killed_at) < 20, (ended, killed_at)  # the agent's SIGTERM, then Python's exit
+    assert ended - float(killed_at) < 60, (ended, killed_at)  # the agent's SIGTERM, then Python's exit
     for r in range(WORLD):
         pid = int((out / f"pid-rank{r}").read_text())
         assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z", r  # gone (or a zombie being reaped)

@@ -9,6 +9,7 @@ Two ways to start them:
 """
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -32,6 +33,7 @@ FAULT_TRAIN = os.path.join(HELPERS, "fault_train.py")
 
 
 def _child(rank, world, store_port, out, env):
+    gc.freeze()  # the inherited imports stay out of the collector's sight (as in local_launch's ranks)
     os.environ.update(
         env,
         RANK=str(rank),

@@ -1,4 +1,4 @@
-"""A tiny 2-stage x 2-replica NoLoCo run with test-only fault hooks, for tests/test_faults.py.
+"""A tiny 2-stage x 2-replica NoLoCo run with test-only fault hooks, for tests/e2e/test_faults.py.
 
 Run it as a script under a launcher (``torchrun ... fault_train.py OUT``, or plain processes with RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), or call :func:`run` in a process whose gloo group is already up.
