@@ -5,12 +5,12 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 
 import pytest
 
 from tests.helpers.paths import ROOT
+from tests.helpers.scripts import run_main
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -121,18 +121,13 @@ def test_the_study_file_is_consistent():
     assert (study["arms"][paper["arm"]]["alpha"], study["arms"][paper["ref"]]["alpha"]) == (0.5, 0.3)
 
 
-def convergence(*args, timeout=300):
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        check=False,
-        env=dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1"),
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+def convergence(*args):
+    return run_main("convergence", *args)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_wandb(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
 
 
 def test_quick_study_runs_in_parts_resumes_merges_and_replots(tmp_path):

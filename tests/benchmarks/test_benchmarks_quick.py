@@ -1,25 +1,13 @@
 """The throughput benchmark's smoke mode runs end to end and writes the rows it promises."""
 
 import json
-import os
-import subprocess
-import sys
 
-from tests.helpers.paths import ROOT
+from tests.helpers.scripts import run_main
 
 
 def test_pipeline_throughput_quick(tmp_path):
     output = tmp_path / "throughput.json"
-    script = os.path.join(ROOT, "benchmarks", "pipeline_throughput.py")
-    done = subprocess.run(
-        [sys.executable, script, "--quick", "--output", str(output)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    printed = run_main("pipeline_throughput", "--quick", "--output", str(output))
     result = json.loads(output.read_text())
 
     sizes = [1, 2]
@@ -39,4 +27,4 @@ def test_pipeline_throughput_quick(tmp_path):
     assert set(result["summary"]["pp2_dp1_efficiency_compute"]) == {"1", "2"}
     assert result["model"]["stage_split"] == {"layers": [[0, 1], [1, 2]], "compute": [[0, 1], [1, 2]]}
     assert result["machine"]["cores"] >= 1 and result["machine"]["torch"]
-    assert "reference" in done.stdout and "efficiency" in done.stdout  # the printed table
+    assert "reference" in printed and "efficiency" in printed  # the printed table

@@ -1,25 +1,15 @@
 """The soak benchmark's quick mode runs end to end and writes the figures the full run reports."""
 
 import json
-import os
-import subprocess
-import sys
+import tempfile
 
-from tests.helpers.paths import ROOT
+from tests.helpers.scripts import run_main
 
 
-def test_soak_quick(tmp_path):
+def test_soak_quick(tmp_path, monkeypatch):
     output = tmp_path / "soak.json"
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "soak.py"), "--quick", "--output", str(output)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
-        env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)),
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    printed = run_main("soak", "--quick", "--output", str(output))
     result = json.loads(output.read_text())
     settings = result["settings"]
     assert settings["mode"] == "quick" and settings["processes"] == 4
@@ -47,4 +37,4 @@ def test_soak_quick(tmp_path):
     assert set(result["summary"]["rss_growth_mib"]) == {"0", "1", "2", "3"}
     assert isinstance(result["summary"]["any_growth"], bool)
     assert (tmp_path / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "verdict" in done.stdout  # the printed table
+    assert "verdict" in printed  # the printed table
