@@ -350,9 +350,13 @@ class NoLoCoTrainer(Trainer):
 
     def _on_live_replicas_changed(self, live: list[int]) -> None:
         """A new view of the live replicas takes effect (on every live rank, at a fence): new process groups
-        among them, and routing drawn over them (gossip draws over ``mesh.live_replicas`` by itself)."""
-        self.mesh.regroup(live)
+        among them, and routing drawn over them (gossip draws over ``mesh.live_replicas`` by itself). The
+        members have just met in the store but may be slow to reach the groups on a loaded machine, and a
+        group made again after a timeout reads the failed attempt's addresses from the same store keys: so
+        the groups get ``max(60, 2 * p2p_timeout)`` seconds (at most ``ddp_timeout``)."""
         args = self.args
+        with self.mesh.patient(min(args.ddp_timeout, max(60.0, 2 * args.p2p_timeout))):
+            self.mesh.regroup(live)
         self.engine.router = Router(
             self.mesh.num_replicas, args.routing, args.routing_seed, live=self.mesh.live_replicas
         )
