@@ -89,10 +89,10 @@ class NoLoCoConfig(TrainingArguments):
             Before any process trains, prove on a shrunken copy of the model's config (the same model type and
             every setting that shapes its forward, a few layers, small widths; 0.15 s on one CPU thread, on
             rank 0, for Llama-3-8B's config at 4 stages) that the composed stages, cut at this run's
-            boundaries, compute the model's own logits, loss and gradients. A model they do not reproduce is refused with one line naming what
-            differs (e.g. `gemma2: final_logit_softcapping is not reproduced by the stages`). `False` skips
-            the proof: the run then trains whatever the stages compute, which for a refused model is another
-            function than the checkpoint's.
+            boundaries, compute the model's own logits, loss and gradients. A model they do not reproduce is
+            refused with one line naming what differs (e.g. `gemma2: final_logit_softcapping is not
+            reproduced by the stages`). `False` skips the proof: the run then trains whatever the stages
+            compute, which for a refused model is another function than the checkpoint's.
         pipeline_schedule (`str`, *optional*, defaults to `"1f1b"`):
             Order of forwards and backwards within a step: `"1f1b"` (a stage holds the activations of at most
             `pipeline_stages - stage` microbatches) or `"gpipe"` (all forwards, then all backwards; holds
