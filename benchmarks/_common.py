@@ -55,13 +55,16 @@ def load_corpus(corpus: str, block_size: int, vocab_size: int, max_eval_blocks: 
     """Packed (train, eval) datasets of ``corpus`` (a text file or the built-in corpus) and its tokenizer.
 
     The BPE tokenizer is trained on the train documents once and cached in the temp folder; the 5%
-    validation carve-out is by document (hf_noloco.data.datasets.load_splits), so no block mixes both sides.
+    validation carve-out is by document (hf_noloco.data.sources.load_splits), so no block mixes both sides.
     ``max_docs`` keeps only the first that many train (and eval) documents (the smoke mode).
     """
     import datasets
     from transformers import AutoTokenizer
 
-    from hf_noloco.data.datasets import load_splits, pack_dataset, train_bpe_tokenizer
+    from hf_noloco.data.corpus import train_bpe_tokenizer
+    from hf_noloco.data.encoding import make_encoder
+    from hf_noloco.data.packing import encode_dataset, pack_wrapped
+    from hf_noloco.data.sources import load_splits
 
     datasets.disable_progress_bars()
     train_docs, eval_docs = load_splits(corpus, validation_split_percentage=5, seed=42)
@@ -73,8 +76,9 @@ def load_corpus(corpus: str, block_size: int, vocab_size: int, max_eval_blocks: 
         tokenizer = AutoTokenizer.from_pretrained(cache)
     else:
         tokenizer = train_bpe_tokenizer(train_docs["text"], vocab_size=vocab_size, output_dir=cache)
-    train = pack_dataset(train_docs, tokenizer, block_size)
-    eval_ = pack_dataset(eval_docs, tokenizer, block_size)
+    encoder, _ = make_encoder(tokenizer, train_docs.column_names)  # text: wrapped rows
+    train = pack_wrapped(encode_dataset(train_docs, encoder), block_size)
+    eval_ = pack_wrapped(encode_dataset(eval_docs, encoder), block_size)
     eval_ = eval_.select(range(min(max_eval_blocks, len(eval_))))
     return train, eval_, tokenizer
 

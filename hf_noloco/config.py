@@ -212,6 +212,12 @@ class NoLoCoConfig(TrainingArguments):
         divergence_steps (`int` or `None`, *optional*, defaults to `None`):
             Compute the exact replica divergence (an all-reduce of the weights) every this many steps, at a
             logging step. `None`: at every evaluation.
+        peak_tflops (`float` or `None`, *optional*, defaults to `None`):
+            The peak TFLOPS of one device, for the logged `mfu` (model FLOPs utilisation: the model's
+            training FLOPs on the non-padding tokens, estimated from its config as `6 N + 12 L d s` per
+            token, per second and device, over this peak). `None`: the dense bf16 peak of a known GPU (H200,
+            H100, A100, L40S, L4), else no `mfu` entry. Logs also carry `tokens_per_second` (non-padding
+            tokens) and `trained_tokens_per_second` (tokens with a label), and the Trainer's `total_flos`.
         export_replica (`int` or `None`, *optional*, defaults to `None`):
             What `save_model` exports: `None` the consensus (mean of each stage's replicas), or one replica's
             weights.
@@ -261,6 +267,7 @@ class NoLoCoConfig(TrainingArguments):
     loss_chunk_tokens: int | None = 1024
     outer_overlap_steps: int = 0
     divergence_steps: int | None = None
+    peak_tflops: float | None = None
     export_replica: int | None = None
     merge_adapter: bool = False
     export_dtype: ExportDtype | None = None
@@ -383,6 +390,8 @@ def check_config(c) -> None:
     _check_attention_available(c.model_init_kwargs)
     if c.loss_chunk_tokens is not None:
         check_positive_int("loss_chunk_tokens", c.loss_chunk_tokens)
+    if c.peak_tflops is not None and not c.peak_tflops > 0:
+        raise ValueError(f"peak_tflops must be positive, got {c.peak_tflops}.")
     if c.export_dtype is not None:
         if c.export_dtype in ("float16", "half"):
             raise ValueError("export_dtype float16 is not supported: use bfloat16 or float32.")

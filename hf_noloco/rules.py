@@ -39,6 +39,8 @@ MasterWeights = Literal["float32", "none"]
 WeightDtype = Literal["float32", "bfloat16", "auto"]
 ExportDtype = Literal["float32", "bfloat16"]
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
+# How documents share a row (TRL's packing_strategy): cut from one stream, or best-fit-decreasing bins.
+PackingStrategy = Literal["wrapped", "bfd", "bfd_split"]
 
 ROUTINGS: tuple[str, ...] = get_args(Routing)
 ROUTING_DOMAINS: tuple[str, ...] = get_args(RoutingDomain)
@@ -66,7 +68,20 @@ PAPER_DEFAULTS: dict[str, dict[str, float | int]] = {
 }
 
 BUILTIN_DATASET = "builtin:python-docs"
-DATA_FILE_EXTENSIONS = (".txt", ".json", ".jsonl", ".parquet")
+# Extensions that make a dataset_name local files (to be found here, never looked up on the Hub).
+DATA_FILE_EXTENSIONS = (
+    ".txt",
+    ".json",
+    ".jsonl",
+    ".parquet",
+    ".csv",
+    ".tsv",
+    ".arrow",
+    ".gz",
+    ".zst",
+    ".bz2",
+    ".xz",
+)
 PEFT_INSTALL_HINT = "pip install 'hf-noloco[peft]'"
 
 

@@ -178,10 +178,9 @@ class NoLoCoTrainer(Trainer):
         self.loaders = ReplicaLoaders(self.mesh, args, self.data_collator)
         self.checkpointer = RunCheckpointer(self)
         if isinstance(train_dataset, TokenStream):
-            # The stream's recorded position replaces the Trainer's skipping of the batches seen before a
-            # resume (which would read them again).
+            # The stream's recorded position replaces the Trainer's skipping of seen batches (a re-read).
             self.args.ignore_data_skip = True
-        self.throughput = Throughput()
+        self.throughput = Throughput(stage.config, self.mesh.is_first_stage, args)  # peak FLOPS from args
         self._last_divergence_step = 0
         self._grad_norm: torch.Tensor | None = None  # this step's column gradient norm (set by training_step)
         self._skipped_since_log = 0  # steps this rank skipped since the last log (a replica lost meanwhile)
@@ -191,9 +190,8 @@ class NoLoCoTrainer(Trainer):
             args.on_replica_loss, self.mesh, args.p2p_timeout, self._on_live_replicas_changed
         )
         self.add_callback(RunConfigCallback(self))
-        # Accelerate's prepared optimizer would round-trip the whole state dict through the accelerator at
-        # prepare time, slow weights and momentum included, which defeats offload_outer_state: each part of
-        # the state already lives where it belongs (the inner state beside its parameters).
+        # Accelerate's prepared optimizer would round-trip the whole state (slow weights and momentum too)
+        # through the accelerator, defeating offload_outer_state: each part already lives where it belongs.
         self.accelerator.device_placement = False
 
     # ------------------------------------------------------------------------------------------- set-up
@@ -251,8 +249,7 @@ class NoLoCoTrainer(Trainer):
     def get_train_dataloader(self):
         if self.train_dataset is None:
             raise ValueError("NoLoCoTrainer.train() needs a train_dataset.")
-        # Rows per replica column are per_device_train_batch_size, however the process was started (the
-        # Trainer's _train_batch_size multiplies it by the GPUs a plain `python` launch sees).
+        # Rows per replica column: per_device_train_batch_size (not the Trainer's _train_batch_size x GPUs).
         return self.loaders.loader(
             self._columns(self.train_dataset, "training"), self.args.per_device_train_batch_size, True
         )
@@ -372,7 +369,6 @@ class NoLoCoTrainer(Trainer):
             clear_device_cache()
         stats = column_stats(self.model, self.mesh, result.loss, step)
         self._grad_norm = stats[1:].sum().sqrt()
-        self.throughput.add(inputs["input_ids"].numel() * self.mesh.num_live_replicas)
         problem = nonfinite_report(stats, self.mesh, step)
         if problem is not None:
             self._on_nonfinite(problem)
@@ -388,8 +384,8 @@ class NoLoCoTrainer(Trainer):
                 "resume from the last one (perhaps with a lower learning rate), or set nonfinite='skip' to "
                 "skip such steps."
             )
-        # Skip: drop the gradients. Optimizers leave a parameter without a gradient (and its state) untouched,
-        # while OuterOptimizer.step() still counts the step, so outer steps stay aligned with other replicas.
+        # Skip: drop the gradients. Optimizers leave a parameter without one untouched, while OuterOptimizer
+        # .step() still counts the step, so outer steps stay aligned with other replicas.
         for p in self.model.parameters():
             p.grad = None
         if self.mesh.is_first_stage:  # one warning per column
@@ -426,7 +422,9 @@ class NoLoCoTrainer(Trainer):
                     self.outer, lambda t: self._live_sum(t, "all-reduce of the logging statistics")
                 )
             )
-            logs.update(self.throughput.log_entries())
+        if "loss" in logs:
+            live_sum = lambda t: self._live_sum(t, "all-reduce of the token counts")
+            logs.update(self.throughput.log_entries(live_sum, self.args.device))
         if self.loaders.train_stream is not None and self.state.max_steps:
             # A stream has no length: the Trainer's epoch is the fraction of max_steps, which it would restart
             # from 0 after a resume (it skips no batches then).
@@ -463,6 +461,9 @@ class NoLoCoTrainer(Trainer):
         super()._maybe_log_save_evaluate(
             tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate
         )
+
+    def floating_point_ops(self, inputs) -> float:
+        return self.throughput.count(inputs)  # the FLOPs of this rank's tokens; it counts them too
 
     def store_flos(self) -> None:
         flos = torch.tensor([float(self.current_flos)], dtype=torch.float64, device=self.args.device)
@@ -532,7 +533,7 @@ class NoLoCoTrainer(Trainer):
 
     @property
     def tokens_seen(self) -> int:
-        """Training tokens processed so far, over all live replicas."""
+        """Training tokens (not padding) processed so far over all live replicas, as of the last log."""
         return self.throughput.tokens_seen
 
     @property

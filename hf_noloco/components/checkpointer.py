@@ -62,7 +62,7 @@ class RunCheckpointer:
 
     def _write_rank_state(self, folder: str) -> list[str]:
         t = self.trainer
-        pipeline_state = {"engine": t.engine.state_dict(), "tokens_seen": t.throughput.tokens_seen}
+        pipeline_state = {"engine": t.engine.state_dict(), "tokens_seen": t.throughput.state_dict()}
         stream = t.loaders.stream_state()
         if stream is not None:
             pipeline_state["stream"] = stream
@@ -96,7 +96,7 @@ class RunCheckpointer:
         t.tied.check_equal()
         t.engine.load_state_dict(state["engine"])
         t.loaders.load_stream_state(state.get("stream"))
-        t.throughput.restart(state["tokens_seen"])
+        t.throughput.load_state_dict(state["tokens_seen"])
 
     def load_optimizer_state(self, folder: str) -> None:
         t = self.trainer

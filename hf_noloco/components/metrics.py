@@ -1,5 +1,5 @@
 """The run's metrics: perplexity, the replica divergence of the official code, and what each training log adds
-(the divergence estimate, outer-step bytes, tokens per second).
+(the divergence estimate, outer-step bytes, tokens per second, MFU).
 
 The free per-outer-step estimate of the divergence lives with the outer step (``OuterOptimizer
 .last_divergence_estimate``), computed by :func:`hf_noloco.outer.gossip.divergence_from_partners`.
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hf_noloco.engine.buffers import consecutive_buckets, flatten
 from hf_noloco.engine.comm import collective
 from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.estimate.flops import peak_flops, training_flops_per_token
 
 # exp(x) overflows a float64 above ~709.78; report inf instead of raising.
 _MAX_LOG = math.log(torch.finfo(torch.float64).max)
@@ -93,26 +94,95 @@ def _rms(sq_sum: float, numel: float, num_replicas: int) -> float:
 
 
 class Throughput:
-    """Tokens seen over all replicas, and their rate between two training logs."""
+    """Non-padding and trained (loss-bearing) tokens over all live replicas, their rates between two
+    training logs, and the MFU (model FLOPs utilisation) when the device's peak FLOPs are known.
 
-    def __init__(self):
+    Only the first stage of each replica counts (:meth:`count`, every step, on the host: the batch is still
+    there), from its batch's attention mask and labels; :meth:`log_entries` sums the counts over the live
+    ranks at each training log. The FLOPs of a token come from the model's config
+    (:func:`~hf_noloco.estimate.flops.training_flops_per_token`), so the sum over the ranks is the model's
+    FLOPs on the non-padding tokens, whichever stage did which part.
+    """
+
+    def __init__(self, config=None, counts: bool = True, peak_flops: float | None = None):
+        """``config``: the model's (``None``: no FLOPs); ``counts``: this rank counts (a first stage);
+        ``peak_flops``: one device's peak, or the :func:`resolved_peak_flops` of training arguments."""
+        if peak_flops is not None and not isinstance(peak_flops, (int, float)):
+            peak_flops = resolved_peak_flops(peak_flops)
+        self.config, self.counts, self.peak_flops = config, counts, peak_flops
         self.tokens_seen = 0
-        self._last = (0, time.monotonic())
+        self.trained_tokens_seen = 0
+        self._pending = [0, 0, 0.0]  # this rank's tokens, trained tokens and FLOPs since the last log
+        self._flops_per_token: dict[int, float] = {}
+        self._last_time = time.monotonic()
 
-    def add(self, tokens: int) -> None:
-        self.tokens_seen += tokens
+    def count(self, inputs: dict) -> float:
+        """Counts a training batch of this replica; returns its FLOPs on this rank (0 off the first stage)."""
+        if not self.counts:
+            return 0.0
+        input_ids = inputs["input_ids"]
+        mask, labels = inputs.get("attention_mask"), inputs.get("labels")
+        tokens = int(mask.sum()) if mask is not None else input_ids.numel()
+        rows, seq_len = input_ids.shape
+        trained = int((labels[:, 1:] != -100).sum()) if labels is not None else rows * (seq_len - 1)
+        flops = tokens * self._per_token(seq_len)
+        self._pending[0] += tokens
+        self._pending[1] += trained
+        self._pending[2] += flops
+        return flops
 
-    def restart(self, tokens_seen: int) -> None:
-        """After a resume: the count so far, and the clock from now."""
-        self.tokens_seen = tokens_seen
-        self._last = (tokens_seen, time.monotonic())
+    def _per_token(self, seq_len: int) -> float:
+        if self.config is None:
+            return 0.0
+        if seq_len not in self._flops_per_token:
+            self._flops_per_token[seq_len] = training_flops_per_token(self.config, seq_len)
+        return self._flops_per_token[seq_len]
 
-    def log_entries(self) -> dict[str, float]:
-        last_tokens, last_time = self._last
+    def state_dict(self) -> dict:
+        return {
+            "tokens_seen": self.tokens_seen,
+            "trained_tokens_seen": self.trained_tokens_seen,
+            "pending": list(self._pending),
+        }
+
+    def load_state_dict(self, state) -> None:
+        """After a resume: the counts so far, and the clock from now. (A checkpoint from before the trained
+        tokens were counted holds only ``tokens_seen``, an int.)"""
+        state = {"tokens_seen": state} if isinstance(state, int) else state
+        self.tokens_seen = int(state["tokens_seen"])
+        self.trained_tokens_seen = int(state.get("trained_tokens_seen", 0))
+        self._pending = list(state.get("pending", [0, 0, 0.0]))
+        self._last_time = time.monotonic()
+
+    def log_entries(self, live_sum, device) -> dict[str, float]:
+        """The counts since the last log summed over the live ranks with ``live_sum`` (collective: every
+        rank calls it; the sum is made on ``device``), as log entries."""
+        stats = torch.tensor(self._pending, dtype=torch.float64, device=device)
+        ranks = live_sum(stats)
+        tokens, trained, flops = stats.tolist()
+        self._pending = [0, 0, 0.0]
+        self.tokens_seen += int(tokens)
+        self.trained_tokens_seen += int(trained)
         now = time.monotonic()
-        self._last = (self.tokens_seen, now)
-        rate = (self.tokens_seen - last_tokens) / max(now - last_time, 1e-9)
-        return {"tokens_seen": self.tokens_seen, "tokens_per_second": rate}
+        seconds, self._last_time = max(now - self._last_time, 1e-9), now
+        entries = {
+            "tokens_seen": self.tokens_seen,
+            "tokens_per_second": tokens / seconds,
+            "trained_tokens_seen": self.trained_tokens_seen,
+            "trained_tokens_per_second": trained / seconds,
+        }
+        if self.peak_flops:
+            entries["mfu"] = flops / seconds / max(ranks, 1) / self.peak_flops
+        return entries
+
+
+def resolved_peak_flops(args) -> float | None:
+    """The peak FLOPS of one device: ``peak_tflops``, else a known GPU's (:mod:`hf_noloco.estimate.flops`)."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12
+    if torch.device(args.device).type == "cuda":
+        return peak_flops(torch.cuda.get_device_name(args.device))
+    return None
 
 
 def outer_log_entries(outer, live_sum) -> dict[str, float]:

@@ -14,6 +14,7 @@ import sys
 import torch
 from transformers import TrainerCallback
 
+from hf_noloco.data.streaming import TokenStream
 from hf_noloco.engine.stage import ties_embeddings
 
 
@@ -42,7 +43,8 @@ def run_settings(trainer) -> dict:
         "pipeline_schedule": args.pipeline_schedule,
         "microbatch_size": args.microbatch_size,
         "global_batch_size": trainer.get_total_train_batch_size(args),
-        "block_size": trainer.data_args.block_size if trainer.data_args else None,
+        "max_length": trainer.data_args.max_length if trainer.data_args else None,
+        "packing": _row_layout(trainer.train_dataset),
         "max_steps": trainer.state.max_steps or args.max_steps,
         "optimizer": args.optim,
         "learning_rate": args.learning_rate,
@@ -62,6 +64,19 @@ def run_settings(trainer) -> dict:
         "export": trainer.export_kind,
     }
     return {k: getattr(v, "value", v) for k, v in settings.items()}
+
+
+def _row_layout(dataset) -> str | None:
+    """How the training rows were filled, read from their columns: ``bfd`` (packed sequences with their
+    position ids), ``padded`` (one document per row, with a mask) or ``wrapped``."""
+    if isinstance(dataset, TokenStream):
+        return "wrapped" if dataset.packing else "padded"
+    columns = getattr(dataset, "column_names", None)
+    if columns is None:
+        return None
+    if "position_ids" in columns:
+        return "bfd"
+    return "padded" if "attention_mask" in columns else "wrapped"
 
 
 def finish_wandb() -> None:

@@ -8,7 +8,8 @@ A dataset's format is read from its columns, as TRL's ``SFTTrainer`` reads it:
 - ``prompt`` and ``completion``: strings, or lists of messages (rendered with the chat template). With
   ``completion_only_loss`` (the default for this format) only the completion is trained on.
 - ``input_ids`` (and optionally ``labels``): already tokenized, used as they are.
-- ``text_column``: raw text, with a beginning- and an end-of-text token as ``add_bos``/``add_eos`` say.
+- the ``dataset_text_field`` column: raw text, with a beginning- and an end-of-text token as
+  ``add_bos``/``add_eos`` say.
 
 Rows that hold nothing to train on (empty or whitespace-only text, an empty conversation, no token left to
 predict after truncation) are dropped: the encoder returns ``None`` for them.
@@ -30,7 +31,7 @@ IGNORE_INDEX = -100
 FORMATS = ("messages", "prompt_completion", "tokens", "text")
 
 
-def dataset_format(columns: Sequence[str], text_column: str = "text", what: str = "") -> str:
+def dataset_format(columns: Sequence[str], dataset_text_field: str = "text", what: str = "") -> str:
     """The format of a dataset with these columns: ``messages``, ``prompt_completion``, ``tokens`` or
     ``text`` (checked in that order), or a clear error naming the columns (and the dataset, ``what``)."""
     columns = list(columns)
@@ -40,13 +41,13 @@ def dataset_format(columns: Sequence[str], text_column: str = "text", what: str 
         return "prompt_completion"
     if "input_ids" in columns:
         return "tokens"
-    if text_column in columns:
+    if dataset_text_field in columns:
         return "text"
     name = f" {what}" if what else ""
     raise ValueError(
-        f"The dataset{name} has no text column {text_column!r}; its columns are {columns}. Pass the right "
-        "one with text_column=..., or give a `messages` column (conversations), `prompt` and `completion` "
-        "columns, or an `input_ids` column (pre-tokenized)."
+        f"The dataset{name} has no text column {dataset_text_field!r}; its columns are {columns}. Name the "
+        "right one with dataset_text_field, or give a `messages` column (conversations), `prompt` and "
+        "`completion` columns, or an `input_ids` column (pre-tokenized)."
     )
 
 
@@ -94,7 +95,7 @@ class DocumentEncoder:
     Attributes:
         tokenizer: a fast tokenizer (chat formats need its character offsets).
         fmt: the dataset format.
-        text_column: the raw-text column (format ``text``).
+        dataset_text_field: the raw-text column (format ``text``).
         add_bos, add_eos: put the tokenizer's beginning- / end-of-text token around each text document (and
             each plain prompt/completion pair). Never applied to pre-tokenized rows or chat templates, which
             carry their own.
@@ -104,7 +105,7 @@ class DocumentEncoder:
 
     tokenizer: object
     fmt: str
-    text_column: str = "text"
+    dataset_text_field: str = "text"
     add_bos: bool = False
     add_eos: bool = True
     assistant_only_loss: bool = False
@@ -112,24 +113,31 @@ class DocumentEncoder:
     max_length: int | None = None
 
     def __call__(self, row: Mapping) -> tuple[list[int], list[int]] | None:
+        encoded = self.encode(row)
+        return None if encoded is None else encoded[:2]
+
+    def encode(self, row: Mapping) -> tuple[list[int], list[int], bool] | None:
+        """``(input_ids, labels, whether max_length cut the row)``, or ``None`` for a row with nothing to
+        train on."""
         if self.fmt == "text":
-            encoded = self._text(row[self.text_column])
+            encoded = self._text(row[self.dataset_text_field])
         elif self.fmt == "tokens":
             encoded = self._tokens(row)
         elif self.fmt == "messages":
-            encoded = self._messages(row["messages"])
+            encoded = self._messages(row["messages"], _tools(row))
         else:
-            encoded = self._prompt_completion(row["prompt"], row["completion"])
+            encoded = self._prompt_completion(row["prompt"], row["completion"], _tools(row))
         if encoded is None:
             return None
         ids, labels = encoded
-        if self.max_length is not None:
+        truncated = self.max_length is not None and len(ids) > self.max_length
+        if truncated:
             ids, labels = ids[: self.max_length], labels[: self.max_length]
         # A row teaches something only if some position has a next token to predict (labels[1:], as the
         # loss shifts them).
         if not any(label != IGNORE_INDEX for label in labels[1:]):
             return None
-        return ids, labels
+        return ids, labels, truncated
 
     # --------------------------------------------------------------------------------------------- formats
 
@@ -154,11 +162,11 @@ class DocumentEncoder:
             )
         return (ids, labels) if ids else None
 
-    def _render(self, messages, add_generation_prompt: bool = False) -> str:
+    def _render(self, messages, add_generation_prompt: bool = False, tools=None) -> str:
         _check_chat_template(self.tokenizer)
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # jinja raises its own types for a template's own checks
             raise ValueError(f"The chat template failed on a conversation: {exc}") from exc
@@ -185,24 +193,25 @@ class DocumentEncoder:
             )
         return len(prefix)
 
-    def _messages(self, messages) -> tuple[list[int], list[int]] | None:
+    def _messages(self, messages, tools=None) -> tuple[list[int], list[int]] | None:
         if not messages:
             return None
-        full = self._render(messages)
+        full = self._render(messages, tools=tools)
         spans = None
         if self.assistant_only_loss:
             spans = []
             for i, message in enumerate(messages):
                 if message.get("role") != "assistant":
                     continue
-                start = self._prefix_length(
-                    full, self._render(messages[:i], add_generation_prompt=True), "the turns before a reply"
+                before = self._render(messages[:i], add_generation_prompt=True, tools=tools)
+                start = self._prefix_length(full, before, "the turns before a reply")
+                end = self._prefix_length(
+                    full, self._render(messages[: i + 1], tools=tools), "a conversation's start"
                 )
-                end = self._prefix_length(full, self._render(messages[: i + 1]), "a conversation's start")
                 spans.append((start, end))
         return self._labelled(full, spans)
 
-    def _prompt_completion(self, prompt, completion) -> tuple[list[int], list[int]] | None:
+    def _prompt_completion(self, prompt, completion, tools=None) -> tuple[list[int], list[int]] | None:
         if isinstance(prompt, str) != isinstance(completion, str):
             raise ValueError(
                 "prompt and completion must both be strings or both be lists of messages, got "
@@ -220,12 +229,23 @@ class DocumentEncoder:
             return ids, [IGNORE_INDEX] * masked + ids[masked:]
         if not completion:
             return None
-        full = self._render(list(prompt) + list(completion))
+        full = self._render(list(prompt) + list(completion), tools=tools)
         spans = None
         if self.completion_only_loss:
-            start = self._prefix_length(full, self._render(prompt, add_generation_prompt=True), "the prompt")
-            spans = [(start, len(full))]
+            prompt_text = self._render(prompt, add_generation_prompt=True, tools=tools)
+            spans = [(self._prefix_length(full, prompt_text, "the prompt"), len(full))]
         return self._labelled(full, spans)
+
+
+def _tools(row: Mapping):
+    """A chat row's ``tools`` (TRL's column for tool-calling conversations), decoded when stored as JSON."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"A row's `tools` is a string but not JSON: {exc}") from None
+    return tools or None
 
 
 def _check_chat_template(tokenizer) -> None:
@@ -236,30 +256,47 @@ def _check_chat_template(tokenizer) -> None:
         )
 
 
+def row_layout(fmt: str, packing: bool | None = None, packing_strategy: str | None = None) -> str:
+    """How the rows of a dataset of format ``fmt`` fill a row of ``max_length`` tokens: ``"wrapped"`` (one
+    stream cut into rows, attention crossing documents), ``"bfd"`` / ``"bfd_split"`` (best-fit-decreasing bins
+    of whole documents, position ids restarting at each), or ``"padded"`` (one document per row). The
+    defaults: wrapped for text and pre-tokenized rows, padded for conversations and prompt/completion pairs,
+    bfd when those are packed; a ``packing_strategy`` given with ``packing=None`` packs."""
+    chat = fmt in ("messages", "prompt_completion")
+    if packing is None:
+        packing = default_packing(fmt) or packing_strategy is not None
+    if not packing:
+        return "padded"
+    strategy = packing_strategy or ("bfd" if chat else "wrapped")
+    if strategy == "wrapped" and chat:
+        raise ValueError(
+            f"packing_strategy='wrapped' is not supported for {fmt.replace('_', '/')} rows: wrapped rows let "
+            "attention cross from one conversation into the next. Use packing_strategy: bfd (rows of whole "
+            "conversations that never attend to each other), or no packing."
+        )
+    return strategy
+
+
 def make_encoder(
     tokenizer,
     columns: Sequence[str],
-    text_column: str = "text",
+    dataset_text_field: str = "text",
     packing: bool | None = None,
     add_bos: bool | None = None,
     add_eos: bool | None = None,
     assistant_only_loss: bool = False,
     completion_only_loss: bool | None = None,
-    block_size: int | None = None,
-) -> tuple[DocumentEncoder, bool]:
-    """The encoder for a dataset with ``columns``, and whether its rows are packed. ``None`` options take
-    their defaults: packing for text and pre-tokenized rows; a beginning-of-text token when the tokenizer
-    adds one; an end-of-text token after every document; completion-only loss for prompt/completion rows.
-    Options that do not fit the format or the tokenizer are clear errors."""
-    fmt = dataset_format(columns, text_column)
+    max_length: int | None = None,
+    packing_strategy: str | None = None,
+) -> tuple[DocumentEncoder, str]:
+    """The encoder for a dataset with ``columns``, and its :func:`row_layout`. ``None`` options take their
+    defaults: a beginning-of-text token when the tokenizer adds one; an end-of-text token after every
+    document; completion-only loss for prompt/completion rows. Options that do not fit the format or the
+    tokenizer are clear errors. Rows are cut at ``max_length`` unless the layout uses every token
+    (``wrapped``, ``bfd_split``)."""
+    fmt = dataset_format(columns, dataset_text_field)
     chat = fmt in ("messages", "prompt_completion")
-    packing = default_packing(fmt) if packing is None else packing
-    if packing and chat:
-        raise ValueError(
-            f"packing=True is not supported for {fmt.replace('_', '/')} rows: packed rows would let "
-            "attention cross from one conversation into the next. Leave packing unset (or false): each row "
-            "is then padded to block_size."
-        )
+    layout = row_layout(fmt, packing, packing_strategy)
     if assistant_only_loss and fmt != "messages":
         raise ValueError(
             f"assistant_only_loss needs a `messages` column (conversations); this dataset's format is {fmt}."
@@ -291,14 +328,14 @@ def make_encoder(
     encoder = DocumentEncoder(
         tokenizer=tokenizer,
         fmt=fmt,
-        text_column=text_column,
+        dataset_text_field=dataset_text_field,
         add_bos=add_bos,
         add_eos=add_eos,
         assistant_only_loss=assistant_only_loss,
         completion_only_loss=completion_only_loss,
-        max_length=None if packing else block_size,
+        max_length=None if layout in ("wrapped", "bfd_split") else max_length,
     )
-    return encoder, packing
+    return encoder, layout
 
 
 def pad_row(ids: list[int], labels: list[int], length: int, pad_token_id: int) -> dict[str, list[int]]:
@@ -311,10 +348,29 @@ def pad_row(ids: list[int], labels: list[int], length: int, pad_token_id: int) -
     }
 
 
-def row_fingerprint(row: Mapping, fmt: str, text_column: str = "text") -> bytes:
+def packed_row(
+    ids: list[int], labels: list[int], seq_lengths: Sequence[int], length: int, pad_token_id: int
+) -> dict[str, list[int]]:
+    """One bin of whole sequences (``ids`` and ``labels`` concatenated, ``seq_lengths`` each) as a row of
+    exactly ``length`` tokens. Position ids restart at every sequence, so that attention (HF's mask functions
+    read sequence boundaries from them) never crosses one; the label of each sequence's first token is
+    -100, so no sequence is trained to predict the next one's start. The padding after the last sequence is
+    a sequence of its own (labels -100; attention mask 0 marks it, for counting only)."""
+    missing = length - len(ids)
+    positions = [p for n in seq_lengths for p in range(n)] + list(range(missing))
+    labels = [IGNORE_INDEX if p == 0 else label for p, label in zip(positions, labels)]
+    return {
+        "input_ids": ids + [pad_token_id] * missing,
+        "labels": labels + [IGNORE_INDEX] * missing,
+        "attention_mask": [1] * len(ids) + [0] * missing,
+        "position_ids": positions,
+    }
+
+
+def row_fingerprint(row: Mapping, fmt: str, dataset_text_field: str = "text") -> bytes:
     """The bytes that identify a row's content (which side of a held-out split it falls on)."""
     if fmt == "text":
-        value = row[text_column]
+        value = row[dataset_text_field]
         return value.encode() if isinstance(value, str) else b""
     keys = {
         "messages": ("messages",),

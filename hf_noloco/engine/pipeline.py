@@ -152,9 +152,12 @@ class PipelineEngine:
         input_ids = batch["input_ids"]
         rows, seq_len = self._check_batch(batch, micro)
         mesh, stage = self.mesh, self.stage
-        # Every rank of a column reads the same kind of batch: without a mask (packed blocks) the stages pass
-        # none, and HF's mask code has no padding to look for (which would wait for the device).
-        has_mask = batch.get("attention_mask") is not None
+        # Every rank of a column reads the same kind of batch. Padded rows: the mask goes to the stages.
+        # Packed sequences (position ids restarting at each): the positions go, and HF's mask code keeps
+        # attention inside each sequence (their mask only marks the padding, for counting). Wrapped rows:
+        # neither, and HF's mask code has nothing to look for (which would wait for the device).
+        has_positions = batch.get("position_ids") is not None
+        has_mask = batch.get("attention_mask") is not None and not has_positions
         meta = self._make_meta(batch, rows, seq_len) if stage.is_first else None
         inputs, outputs, sample_ids = {}, {}, []
         outgoing, arrived, pending = {}, {}, []  # (phase, m) -> tensors to send / received; sends in flight
@@ -172,7 +175,7 @@ class PipelineEngine:
                 x, mb_meta = arrived.pop((FORWARD, m))
                 x = x.to(self.activation_dtype).requires_grad_(training)
             sample_ids.append(mb_meta[:, 0])
-            labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len, has_mask)
+            labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len, has_mask, has_positions)
             with self.autocast():
                 y = stage(x, attention_mask=attention_mask, position_ids=position_ids, logits=False)
                 if stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
@@ -317,7 +320,8 @@ class PipelineEngine:
         return where if m is None else f"{where} of microbatch {m}"
 
 
-def _unpack_meta(meta: torch.Tensor, seq_len: int, has_mask: bool):
+def _unpack_meta(meta: torch.Tensor, seq_len: int, has_mask: bool, has_positions: bool):
     body = meta[:, _META_FIXED:]
     mask = body[:, seq_len : 2 * seq_len] if has_mask else None
-    return body[:, :seq_len], mask, body[:, 2 * seq_len :]
+    positions = body[:, 2 * seq_len :] if has_positions else None
+    return body[:, :seq_len], mask, positions

@@ -147,6 +147,9 @@ class PipelineStage(nn.Module):
                 f"{unknown[0]!r} are not reproduced by the stages (they compute the masks of "
                 f"{', '.join(MASK_FUNCTIONS)})."
             )
+        self._flatten_packed: bool | None = (
+            None  # None: as the attention implementation needs (tests force it)
+        )
         self._checkpoint_fn = None  # set by activation_checkpointing_enable
         self._checkpoint_every = 1
 
@@ -238,9 +241,17 @@ class PipelineStage(nn.Module):
             hidden = self.model.embed_tokens(inputs)
             if self.extras.embedding_multiplier is not None:
                 hidden = hidden * self.extras.embedding_multiplier
-        if position_ids is None:
+        given_positions = position_ids
+        rows, seq_len = hidden.shape[:2]
+        flat = given_positions is not None and self.flattens_packed_rows
+        if flat:  # flash-attention kernels read packed sequences from the positions of one flat row only
+            hidden, given_positions = hidden.reshape(1, rows * seq_len, -1), given_positions.reshape(1, -1)
+        if given_positions is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        masks = self._masks(hidden, attention_mask, position_ids)
+        else:
+            position_ids = given_positions
+        # Only given positions are searched for packed sequences (an arange holds none to find).
+        masks = self._masks(hidden, attention_mask, given_positions)
         rotary = self._rotary_embeddings(hidden, position_ids)
         recompute = self._checkpoint_fn is not None and self.training and torch.is_grad_enabled()
         for (index, layer), layer_type in zip(self.model.layers.items(), self._layer_types):
@@ -253,11 +264,20 @@ class PipelineStage(nn.Module):
                 hidden = self._checkpoint_fn(layer, hidden, **kwargs)
             else:
                 hidden = layer(hidden, **kwargs)
+        if flat:
+            hidden = hidden.reshape(rows, seq_len, -1)
         if self.is_last:
             hidden = self.model.norm(hidden)
             if logits:
                 hidden = self.extras.logits(self.lm_head(hidden))
         return hidden
+
+    @property
+    def flattens_packed_rows(self) -> bool:
+        """Whether packed rows (given position ids) are run as one flat row: flash-attention's kernels find
+        sequence boundaries in the positions of a batch of one row only (a mask does the job for the other
+        implementations)."""
+        return self._flatten_packed if self._flatten_packed is not None else _is_flash(self.config)
 
     def _masks(self, hidden, attention_mask, position_ids) -> dict[str, torch.Tensor | None]:
         mask_kwargs = dict(
@@ -275,6 +295,10 @@ class PipelineStage(nn.Module):
             shared = rotary(hidden, position_ids=position_ids)
             return dict.fromkeys(self._layer_types, shared)
         return {t: rotary(hidden, position_ids, t) for t in dict.fromkeys(self._layer_types)}
+
+
+def _is_flash(config) -> bool:
+    return "flash" in str(getattr(config, "_attn_implementation", None) or "")
 
 
 @functools.cache

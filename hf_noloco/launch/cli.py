@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import gc
 import logging
 import os
@@ -208,12 +209,12 @@ def _parse_and_check(parser: NoLoCoArgumentParser, argv: list[str]):
 
 def check_combination(model_args: ModelArguments, data_args: DataArguments, settings) -> None:
     """Checks of options that belong to different dataclasses."""
-    if data_args.streaming:
+    if data_args.dataset_streaming:
         check_streamed_training(settings.max_steps, settings.dataloader_num_workers)
         if model_args.tokenizer_name_or_path is None and model_args.model_name_or_path is None:
             raise ValueError(
-                "streaming=True needs a tokenizer (tokenizer_name_or_path): training one from scratch would "
-                "read the corpus before training."
+                "dataset_streaming=True needs a tokenizer (tokenizer_name_or_path): training one from "
+                "scratch would read the corpus before training."
             )
     check_merge_adapter(settings.merge_adapter, model_args.use_peft)
 
@@ -329,9 +330,30 @@ def _model_config(model_args: ModelArguments, tokenizer):
 
 
 def _tokenizer(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoConfig):
+    tokenizer = _load_tokenizer(model_args, data_args, config)
+    if model_args.chat_template_path is not None:
+        tokenizer.chat_template = _chat_template(model_args.chat_template_path)
+    return tokenizer
+
+
+def _chat_template(path: str) -> str:
+    """The template of ``chat_template_path``: a Jinja file's text, or a tokenizer's own template."""
     from transformers import AutoTokenizer
 
-    from hf_noloco.data.datasets import load_splits, train_bpe_tokenizer
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = getattr(AutoTokenizer.from_pretrained(path), "chat_template", None)
+    if not template:
+        raise ValueError(f"chat_template_path: the tokenizer {path!r} has no chat template.")
+    return template
+
+
+def _load_tokenizer(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoConfig):
+    from transformers import AutoTokenizer
+
+    from hf_noloco.data.corpus import train_bpe_tokenizer
+    from hf_noloco.data.sources import load_splits
 
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if name is not None:
@@ -353,12 +375,24 @@ def _tokenizer(model_args: ModelArguments, data_args: DataArguments, config: NoL
             train_docs, _ = load_splits(
                 data_args.dataset_name,
                 data_args.dataset_config,
-                data_args.text_column,
+                data_args.dataset_text_field,
                 data_args.validation_split_percentage,
                 seed=config.seed,
+                dataset_train_split=data_args.dataset_train_split,
+                dataset_test_split=data_args.dataset_test_split,
+                data_files=data_args.data_files,
+                data_dir=data_args.data_dir,
+                dataset_revision=data_args.dataset_revision,
+                dataset_mixture=data_args.dataset_mixture,
             )
+            if data_args.dataset_text_field not in train_docs.column_names:
+                raise ValueError(
+                    "A tokenizer is trained from scratch on text documents: the dataset has no "
+                    f"{data_args.dataset_text_field!r} column (its columns are {train_docs.column_names}); "
+                    "give tokenizer_name_or_path."
+                )
             return train_bpe_tokenizer(
-                train_docs[data_args.text_column], model_args.tokenizer_vocab_size, folder
+                train_docs[data_args.dataset_text_field], model_args.tokenizer_vocab_size, folder
             )
     return AutoTokenizer.from_pretrained(folder)
 
@@ -409,11 +443,15 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
     from hf_noloco.trainer import NoLoCoTrainer
 
     tokenizer = _tokenizer(model_args, data_args, config)
-    if data_args.streaming:  # nothing to prepare ahead: each replica reads its shard as it trains
-        train_set, eval_set = datasets_from_args(data_args, tokenizer, seed=config.seed)
+    evaluation = config.eval_strategy != "no"  # a run that never evaluates builds no evaluation set
+    prepare = functools.partial(
+        datasets_from_args, data_args, tokenizer, seed=config.seed, evaluation=evaluation
+    )
+    if data_args.dataset_streaming:  # nothing to prepare ahead: each replica reads its shard as it trains
+        train_set, eval_set = prepare()
     else:
         with config.main_process_first(desc="dataset"):  # rank 0 fills the datasets cache, the others read it
-            train_set, eval_set = datasets_from_args(data_args, tokenizer, seed=config.seed)
+            train_set, eval_set = prepare()
     model = model_args.model_name_or_path or _model_config(model_args, tokenizer)
     trainer = NoLoCoTrainer(
         model,
@@ -432,7 +470,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
         resume = True  # the newest checkpoint in output_dir
     try:
         trainer.train(resume_from_checkpoint=resume)
-        metrics = trainer.evaluate()
+        metrics = trainer.evaluate() if eval_set is not None else {}
         if config.push_to_hub:
             url = trainer.push_to_hub()
         else:

@@ -28,3 +28,20 @@ def test_pipeline_throughput_quick(tmp_path):
     assert result["model"]["stage_split"] == {"layers": [[0, 1], [1, 2]], "compute": [[0, 1], [1, 2]]}
     assert result["machine"]["cores"] >= 1 and result["machine"]["torch"]
     assert "reference" in printed and "efficiency" in printed  # the printed table
+
+
+def test_packing_quick(tmp_path):
+    output = tmp_path / "packing.json"
+    printed = run_main("packing", "--quick", "--output", str(output))
+    result = json.loads(output.read_text())
+    padded, packed = result["arms"]["padded"], result["arms"]["packed"]
+    # The same conversations, cut alike: the same tokens to train on, in fewer, fuller rows.
+    assert packed["trained_tokens"] == padded["trained_tokens"] > 0
+    assert packed["non_padding_tokens"] == padded["non_padding_tokens"]
+    assert packed["rows"] < padded["rows"] and packed["padding_share"] < padded["padding_share"]
+    assert packed["steps_per_epoch"] <= padded["steps_per_epoch"]
+    for arm in (padded, packed):
+        assert arm["trained_tokens_per_second"] > 0 and arm["epoch_seconds"] > 0
+        assert arm["non_padding_tokens_per_second"] >= arm["trained_tokens_per_second"]
+    assert result["conversation_tokens"]["median"] > 16  # a realistic spread, not a handful of tokens
+    assert "packed / padded" in printed

@@ -254,7 +254,7 @@ def test_chat_lora_fine_tune_from_the_command_line(tmp_path):
         *("--output_dir", str(tmp_path / "out"), "--pipeline_stages", "2", "--use_peft", "true"),
         *("--lora_r", "4", "--lora_target_modules", "all-linear", "--assistant_only_loss", "true"),
         *(
-            "--block_size",
+            "--max_length",
             "64",
             "--max_steps",
             "4",

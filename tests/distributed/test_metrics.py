@@ -123,3 +123,48 @@ def test_divergence_estimate_tracks_metric(pp):
         # ... and its square is unbiased for the metric's square: over replicas and draws, the mean agrees.
         mean_sq = sum(e**2 for o in stage_results for e in o["estimates"]) / (len(stage_results) * DRAWS)
         assert mean_sq == pytest.approx(per_stage[s] ** 2, rel=0.15)
+
+
+REAL, STEPS, ROWS = 24, 4, 8  # real tokens of each 32-token row, steps, rows per replica and step
+
+
+def _padded_run(out_dir):
+    from hf_noloco.trainer import NoLoCoTrainer
+    from tests.helpers.runs import byte_config, byte_corpus, make_args
+
+    rows = byte_corpus(64)
+    mask = [[1] * REAL + [0] * (len(ids) - REAL) for ids in rows["input_ids"]]
+    labels = [[t if m else -100 for t, m in zip(ids, ms)] for ids, ms in zip(rows["input_ids"], mask)]
+    rows = rows.remove_columns("labels").add_column("labels", labels).add_column("attention_mask", mask)
+    args = make_args(
+        out_dir,
+        max_steps=STEPS,
+        logging_steps=2,
+        eval_strategy="no",
+        per_device_train_batch_size=ROWS,
+        peak_tflops=1.0,
+    )
+    trainer = NoLoCoTrainer(byte_config(), args, train_dataset=rows)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    result = (logs, trainer.state.total_flos)
+    trainer.end()
+    return result
+
+
+def test_logs_count_real_tokens_and_give_flops_and_mfu(tmp_path):
+    from hf_noloco.estimate.flops import training_flops_per_token
+    from tests.helpers.runs import BLOCK, byte_config
+
+    per_token = training_flops_per_token(byte_config(), BLOCK)
+    results = run_distributed(_padded_run, 4, str(tmp_path), timeout_s=120)  # pp 2 x dp 2
+    for logs, total_flos in results:  # every rank logs the same sums
+        assert [h["step"] for h in logs] == [2, 4]
+        for h in logs:
+            seen = h["step"] * 2 * ROWS  # rows over both replicas
+            assert h["tokens_seen"] == seen * REAL  # the padding is not counted
+            assert h["trained_tokens_seen"] == seen * (REAL - 1)  # the first real token has no target
+            assert h["trained_tokens_per_second"] == pytest.approx(h["tokens_per_second"] * (REAL - 1) / REAL)
+            # MFU: the real tokens' FLOPs per second, per device (4), over 1 TFLOPS.
+            assert h["mfu"] == pytest.approx(h["tokens_per_second"] * per_token / 4 / 1e12, rel=1e-6)
+        assert total_flos == pytest.approx(STEPS * 2 * ROWS * REAL * per_token, rel=1e-9)

@@ -1,5 +1,5 @@
-"""Streamed data: per-replica shards of local parquet files, packed or padded on the fly, positions that
-resume at exactly the next block, and whole streamed runs (pp2 x dp2 resume, pp3 with a middle stage that
+"""Streamed data: per-replica shares of local parquet files, packed or padded on the fly, positions that
+resume at exactly the next row, and whole streamed runs (pp2 x dp2 resume, pp3 with a middle stage that
 reads nothing)."""
 
 import itertools
@@ -13,6 +13,7 @@ import torch
 
 from hf_noloco.data import datasets as data
 from hf_noloco.data.encoding import make_encoder
+from hf_noloco.data.sources import load_text_dataset
 from hf_noloco.data.streaming import TokenStream, is_held_out
 from hf_noloco.launch.local_launch import run_distributed
 from tests.helpers.chat_fixtures import chat_tokenizer, write_chat_jsonl
@@ -30,7 +31,7 @@ def _isolated_datasets_cache(tmp_path, monkeypatch):
 
 
 def documents(n: int, offset: int = 0) -> list[str]:
-    """Documents of 1 to ~60 words; every seventh is empty or blank (dropped), some span several blocks."""
+    """Documents of 1 to ~60 words; every seventh is empty or blank (dropped), some span several rows."""
     docs = []
     for i in range(offset, offset + n):
         if i % 7 == 3:
@@ -51,13 +52,13 @@ def write_shards(folder, shards: int, per_shard: int) -> list[list[str]]:
     return files
 
 
-def reference_blocks(texts, tokenizer, block_size):
+def reference_rows(texts, tokenizer, max_length):
     """Plain-Python packing: every non-blank document + eos, concatenated, cut, tail dropped."""
     stream = []
     for text in texts:
         if text.strip():
             stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return [stream[i * block_size : (i + 1) * block_size] for i in range(len(stream) // block_size)]
+    return [stream[i * max_length : (i + 1) * max_length] for i in range(len(stream) // max_length)]
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +67,9 @@ def tokenizer():
 
 
 def stream_of(path, tokenizer, **kwargs) -> TokenStream:
-    source = data.load_text_dataset(str(path), streaming=True)
-    encoder, packing = make_encoder(tokenizer, ["text"])
-    return TokenStream(source, encoder, BLOCK, packing, tokenizer.pad_token_id, **kwargs)
+    source = load_text_dataset(str(path), streaming=True)
+    encoder, layout = make_encoder(tokenizer, ["text"])
+    return TokenStream(source, encoder, BLOCK, layout == "wrapped", tokenizer.pad_token_id, **kwargs)
 
 
 def take(stream, n):
@@ -78,24 +79,26 @@ def take(stream, n):
 def test_each_shard_packs_its_own_files_exactly(tmp_path, tokenizer):
     files = write_shards(tmp_path / "pq", 3, 40)
     stream = stream_of(tmp_path / "pq", tokenizer, repeat=False)
-    assert take(stream.shard(0, 1), 10**6) == reference_blocks(sum(files, []), tokenizer, BLOCK)
+    assert take(stream.shard(0, 1), 10**6) == reference_rows(sum(files, []), tokenizer, BLOCK)
     for index, docs in enumerate(files):  # 3 files over 3 replicas: one file each
-        assert take(stream.shard(index, 3), 10**6) == reference_blocks(docs, tokenizer, BLOCK)
-    # 3 files over 2 replicas: each reads every other row; together they read every row once.
+        assert take(stream.shard(index, 3), 10**6) == reference_rows(docs, tokenizer, BLOCK)
+    # 3 files over 2 replicas: files 0 and 2, and file 1; together they read every row once.
     halves = [stream_of(tmp_path / "pq", tokenizer, repeat=False).shard(i, 2) for i in range(2)]
     rows = [list(h._rows(h._position)) for h in halves]
-    texts = [[row["text"] for _, _, row in r] for r in rows]
-    assert sorted(texts[0] + texts[1]) == sorted(sum(files, [])) and not set(texts[0]) & set(texts[1]) - {""}
+    texts = [[row["text"] for _, row in r] for r in rows]
+    assert sorted(texts[0] + texts[1]) == sorted(sum(files, []))
+    assert {t for t in texts[0] if t.strip()}.isdisjoint(texts[1])  # blank documents repeat in every file
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_resuming_at_any_block_continues_with_the_very_next_one(tmp_path, tokenizer, padded):
+def test_resuming_at_any_row_continues_with_the_very_next_one(tmp_path, tokenizer, padded):
     if padded:
         chat = chat_tokenizer()
         write_chat_jsonl(tmp_path / "chat.jsonl", 25)
-        encoder, packing = make_encoder(chat, ["messages"], assistant_only_loss=True, block_size=48)
-        source = data.load_text_dataset(str(tmp_path / "chat.jsonl"), streaming=True)
-        stream = TokenStream(source, encoder, 48, packing, chat.pad_token_id)
+        encoder, layout = make_encoder(chat, ["messages"], assistant_only_loss=True, max_length=48)
+        assert layout == "padded"
+        source = load_text_dataset(str(tmp_path / "chat.jsonl"), streaming=True)
+        stream = TokenStream(source, encoder, 48, False, chat.pad_token_id)
     else:
         write_shards(tmp_path / "pq", 2, 30)
         stream = stream_of(tmp_path / "pq", tokenizer)
@@ -118,7 +121,7 @@ def vars_of(stream: TokenStream) -> dict:
     return dict(
         source=stream.source,
         encoder=stream.encoder,
-        block_size=stream.block_size,
+        max_length=stream.max_length,
         packing=stream.packing,
         pad_token_id=stream.pad_token_id,
     )
@@ -132,10 +135,10 @@ def test_held_out_rows_and_caps(tmp_path, tokenizer):
     kept = [d for d in sum(files, []) if d.strip()]
     held = [d for d in kept if is_held_out(d.encode(), 10)]
     assert 0.05 < len(held) / len(kept) < 0.15
-    assert take(evaluation.shard(0, 1), 100) == reference_blocks(held, tokenizer, BLOCK)[:6]
+    assert take(evaluation.shard(0, 1), 100) == reference_rows(held, tokenizer, BLOCK)[:6]
     rest = [d for d in kept if d not in held]
-    assert take(train.shard(0, 1), 50) == reference_blocks(rest, tokenizer, BLOCK)[:50]
-    # Caps are shared out between replicas: 6 evaluation blocks over 4 replicas is 2 + 2 + 1 + 1.
+    assert take(train.shard(0, 1), 50) == reference_rows(rest, tokenizer, BLOCK)[:50]
+    # Caps are shared out between replicas: 6 evaluation rows over 4 replicas is 2 + 2 + 1 + 1.
     assert [len(take(evaluation.shard(i, 4), 100)) for i in range(4)] == [2, 2, 1, 1]
     capped, _ = data.prepare_streams(
         str(tmp_path / "pq"),
@@ -145,7 +148,7 @@ def test_held_out_rows_and_caps(tmp_path, tokenizer):
         max_train_samples=10,
         max_eval_samples=6,
     )
-    assert take(capped.shard(0, 1), 20) == take(train.shard(0, 1), 10) * 2  # an epoch is 10 blocks
+    assert take(capped.shard(0, 1), 20) == take(train.shard(0, 1), 10) * 2  # an epoch is 10 rows
     with pytest.raises(ValueError, match="needs max_eval_samples"):
         data.prepare_streams(str(tmp_path / "pq"), tokenizer, BLOCK)
 
@@ -162,8 +165,8 @@ def test_a_stage_that_reads_nothing_gets_rows_of_the_same_shape(tokenizer):
 
 def test_too_little_data_for_a_shard_is_a_clear_error(tmp_path, tokenizer):
     write_shards(tmp_path / "pq", 1, 1)
-    with pytest.raises(ValueError, match="holds no complete block of 512 tokens"):
-        next(iter(TokenStream(**{**vars_of(stream_of(tmp_path / "pq", tokenizer)), "block_size": 512})))
+    with pytest.raises(ValueError, match="holds no complete row of 512 tokens"):
+        next(iter(TokenStream(**{**vars_of(stream_of(tmp_path / "pq", tokenizer)), "max_length": 512})))
 
 
 # ---------------------------------------------------------------------------------------------- whole runs
@@ -216,7 +219,7 @@ def _streamed_run(folder, steps):
 def test_streamed_run_resumes_exactly(tmp_path):
     """pp2 x dp2 NoLoCo over four local parquet shards: 8 straight steps equal 4 steps, a resume from the
     checkpoint, then 4 steps (losses, weights and stream positions), evaluation reads exactly
-    max_eval_samples blocks, and nothing is written to the datasets cache."""
+    max_eval_samples rows, and nothing is written to the datasets cache."""
     write_shards(tmp_path / "pq", 4, 150)
     data.train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
     results = run_distributed(_streamed_run, 4, str(tmp_path), 8, timeout_s=180)
@@ -234,7 +237,7 @@ def test_streamed_run_resumes_exactly(tmp_path):
         assert resumed_position == position
     first_stage = results[0][0]
     assert first_stage[0][-1]["loss"] < first_stage[0][0]["loss"]  # it trains
-    assert first_stage[3]["blocks"] == 8 * 4  # 8 steps of 4 blocks read by replica 0
+    assert first_stage[3]["rows"] == 8 * 4  # 8 steps of 4 rows read by replica 0
     cache = str(tmp_path / "hf_datasets_cache")
     arrow = [f for _, _, files in os.walk(cache) for f in files if f.endswith(".arrow")]
     assert arrow == []  # nothing materialised
@@ -274,7 +277,7 @@ def _three_stages(folder):
     loss = trainer.state.log_history[0]["loss"]
     reads = trainer.loaders.train_stream.reads
     trainer.end()
-    # The reference: the unsplit model, same initialisation, on the first 4 blocks of the stream.
+    # The reference: the unsplit model, same initialisation, on the first 4 rows of the stream.
     model = build_stage(config, 0, 1, seed=args.seed)
     batch = torch.tensor(take(train.shard(0, 1), 4))
     with torch.no_grad():
@@ -310,8 +313,9 @@ def test_streamed_pretraining_from_the_command_line(tmp_path):
             *("--config_file", os.path.join(root, "recipes", "accelerate_configs", "cpu.yaml")),
             *("--num_processes", "2", os.path.join(root, "recipes", "train.py")),
             os.path.join(root, "recipes", "llama-tiny", "noloco.yaml"),
-            *("--dataset_name", str(tmp_path / "pq"), "--streaming", "true", "--max_eval_samples", "8"),
-            *("--tokenizer_name_or_path", str(tmp_path / "tokenizer"), "--block_size", "32"),
+            *("--dataset_name", str(tmp_path / "pq"), "--dataset_streaming", "true"),
+            *("--max_eval_samples", "8", "--tokenizer_name_or_path", str(tmp_path / "tokenizer")),
+            *("--max_length", "32"),
             *("--pipeline_stages", "1", "--inner_steps", "2", "--max_steps", str(max_steps)),
             *("--save_steps", "2", "--eval_steps", "2", "--logging_steps", "1", "--report_to", "none"),
             *("--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true", *extra),
@@ -326,7 +330,7 @@ def test_streamed_pretraining_from_the_command_line(tmp_path):
     position = torch.load(
         tmp_path / "out" / "checkpoint-4" / "stage-0-replica-1" / "pipeline.pt", weights_only=True
     )["stream"]
-    assert position["blocks"] == 4 * 8  # 4 steps of 8 rows, read by replica 1 across the resume
+    assert position["rows"] == 4 * 8  # 4 steps of 8 rows, read by replica 1 across the resume
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.vocab_size == 320

@@ -42,7 +42,7 @@ def _train_wandb_export_push(out, endpoint):
         args,
         train_dataset=byte_corpus(256),
         eval_dataset=byte_corpus(32, 300),
-        data_args=DataArguments(dataset_name="pydoc-topics", block_size=BLOCK),
+        data_args=DataArguments(dataset_name="pydoc-topics", max_length=BLOCK),
     )
     trainer.train()
     trainer.evaluate()
@@ -78,7 +78,7 @@ def test_noloco_run_learns_logs_exports_and_pushes(tmp_path, monkeypatch):
     noloco = config["noloco"]
     assert (noloco["num_replicas"], noloco["pipeline_stages"], noloco["routing"]) == (2, 2, "sample")
     assert (noloco["inner_steps"], noloco["outer_lr"], noloco["outer_momentum"]) == (3, 0.7, 0.5)
-    assert config["data"]["dataset_name"] == "pydoc-topics" and config["data"]["block_size"] == BLOCK
+    assert config["data"]["dataset_name"] == "pydoc-topics" and config["data"]["max_length"] == BLOCK
     assert (
         noloco["optimizer"] == "adamw_torch_fused" and config["num_hidden_layers"] == 4
     )  # the model config (the Trainer's own callback)

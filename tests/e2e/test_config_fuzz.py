@@ -37,7 +37,7 @@ def base_recipe(tmp, launched: bool) -> dict:
     recipe = {
         "model_config": TINY_MODEL,
         "tokenizer_vocab_size": 300,
-        "block_size": 16,
+        "max_length": 16,
         "dataset_name": os.path.join(tmp, "corpus.txt"),
         "output_dir": os.path.join(tmp, "out"),
         "per_device_train_batch_size": 4,
@@ -110,12 +110,20 @@ CASES = [
     ("microbatch zero", "cli", ["--microbatch_size", "0"], ["microbatch_size", "0"]),
     ("stages zero", "cli", ["--pipeline_stages", "0"], ["pipeline_stages", "0"]),
     ("stages negative", "cli", ["--pipeline_stages", "-1"], ["pipeline_stages", "-1"]),
-    ("block size one", "cli", ["--block_size", "1"], ["block_size", "1"]),
-    ("block size negative", "cli", ["--block_size", "-8"], ["block_size", "-8"]),
+    ("max length one", "cli", ["--max_length", "1"], ["max_length", "1"]),
+    ("max length negative", "cli", ["--max_length", "-8"], ["max_length", "-8"]),
+    # a former name (deprecated) sets the new one, and is checked as it is
+    ("former name block_size one", "yaml", {"max_length": None, "block_size": 1}, ["max_length", "got 1"]),
+    (
+        "former and new name disagree",
+        "cli",
+        ["--block_size", "8"],
+        ["block_size", "former name of max_length", "not both"],
+    ),
     ("vocab tiny", "cli", ["--tokenizer_vocab_size", "10"], ["tokenizer_vocab_size", "10"]),
     ("vocab negative", "cli", ["--tokenizer_vocab_size", "-1"], ["tokenizer_vocab_size", "-1"]),
     ("max samples zero", "cli", ["--max_train_samples", "0"], ["max_train_samples", "0"]),
-    ("num proc zero", "cli", ["--preprocessing_num_proc", "0"], ["preprocessing_num_proc", "0"]),
+    ("num proc zero", "cli", ["--dataset_num_proc", "0"], ["dataset_num_proc", "0"]),
     (
         "val split too big",
         "cli",
@@ -322,7 +330,7 @@ CASES = [
     ("loss chunk zero", "cli", ["--loss_chunk_tokens", "0"], ["loss_chunk_tokens", "0"]),
     ("export dtype", "cli", ["--export_dtype", "float16"], ["export_dtype", "float16"]),
     # malformed files
-    ("yaml syntax", "text", "model_config: {model_type: llama\nblock_size: 32\n", ["not valid YAML", "line"]),
+    ("yaml syntax", "text", "model_config: {model_type: llama\nmax_length: 32\n", ["not valid YAML", "line"]),
     ("yaml top-level list", "text", "- max_steps\n- 3\n", ["mapping", "list"]),
     ("yaml scalar", "text", "just some words\n", ["mapping", "str"]),
     ("yaml non-string key", "text", "1: 2\n", ["unknown option", "1"]),
@@ -415,6 +423,9 @@ def outcomes(workspace):
     tied = {"model_config": {**TINY_MODEL, "tie_word_embeddings": True}, "dtype": "bfloat16"}
     tied.update({"gradient_checkpointing": True, "torch_compile": True})
     cases.append([_write_case(workspace, "ok3", "launched_yaml", tied), {"WORLD_SIZE": "4"}])
+    # The former (deprecated) names still work.
+    former = {"max_length": None, "block_size": 16, "preprocessing_num_proc": 1}
+    cases.append([_write_case(workspace, "ok4", "yaml", former), {}])
     (workspace / "cases.json").write_text(json.dumps(cases))
     (workspace / "driver.py").write_text(DRIVER)
     done = subprocess.run(
@@ -432,11 +443,12 @@ def outcomes(workspace):
 
 
 def test_valid_control_recipes_parse(outcomes):
-    ok1, ok2, tied = outcomes[len(CASES) :]
+    ok1, ok2, tied, former = outcomes[len(CASES) :]
     assert ok1["kind"] == "accepted", ok1
     assert ok2["kind"] == "accepted", ok2
     # Every check passed: what stops it is joining the 4-process group that this driver does not start.
     assert tied["kind"] == "accepted" or "MASTER_ADDR" in tied["message"], tied
+    assert former["kind"] == "accepted", former
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c[0] for c in CASES])

@@ -31,6 +31,8 @@ STEPS = 6
 # Wall-clock figures that legitimately differ between runs; everything else in the logs must be identical.
 TIMING_KEYS = {
     "tokens_per_second",
+    "trained_tokens_per_second",
+    "mfu",
     "train_runtime",
     "train_samples_per_second",
     "train_steps_per_second",
@@ -58,7 +60,7 @@ def recipe(tmp_path_factory):
             "tie_word_embeddings": False,
         },
         "tokenizer_vocab_size": 300,
-        "block_size": 32,
+        "max_length": 32,
         "dataset_name": str(tmp / "corpus.txt"),
         "pipeline_stages": 2,
         "outer_optimizer": "noloco",

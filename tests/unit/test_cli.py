@@ -42,7 +42,7 @@ def test_config_option_and_positional_recipe_parse_alike(tmp_path):
     assert _settings(positional) == _settings(trl_style) == _settings(equals)
     model_args, data_args, config = trl_style
     assert config.max_steps == 20 and config.routing == "fixed"  # the command line wins
-    assert config.learning_rate == 2.0e-3 and data_args.block_size == 128  # the recipe's values
+    assert config.learning_rate == 2.0e-3 and data_args.max_length == 128  # the recipe's values
     assert model_args.model_config["hidden_size"] == 128  # a YAML mapping stays a mapping
 
 

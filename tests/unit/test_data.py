@@ -14,6 +14,10 @@ from transformers import AutoTokenizer
 
 from hf_noloco.data import corpus as builtin_docs
 from hf_noloco.data import datasets as data
+from hf_noloco.data import sources
+from hf_noloco.data.encoding import make_encoder
+from hf_noloco.data.packing import encode_dataset, pack_wrapped
+from hf_noloco.rules import BUILTIN_DATASET
 
 datasets.disable_progress_bars()
 
@@ -56,50 +60,55 @@ def _isolated_datasets_cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def tokenizer():
     # Small and fast: a few hundred merges on the pydoc topics (~0.5 MB) is plenty for these tests.
-    return data.train_bpe_tokenizer(builtin_docs._topic_documents()[:40] + make_docs(200), vocab_size=512)
+    texts = builtin_docs._topic_documents()[:40] + make_docs(200)
+    return builtin_docs.train_bpe_tokenizer(texts, vocab_size=512)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return data.builtin_corpus(cache_dir=str(tmp_path_factory.mktemp("builtin_cache")))
+    return builtin_docs.builtin_corpus(cache_dir=str(tmp_path_factory.mktemp("builtin_cache")))
 
 
-def reference_blocks(texts, tokenizer, block_size):
+def reference_blocks(texts, tokenizer, max_length):
     """Plain-Python packing: concatenate every document + eos, cut, drop the tail."""
     stream = []
     for text in texts:
         stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    n = len(stream) // block_size
-    return [stream[i * block_size : (i + 1) * block_size] for i in range(n)]
+    n = len(stream) // max_length
+    return [stream[i * max_length : (i + 1) * max_length] for i in range(n)]
+
+
+def wrap(dataset, tokenizer, max_length, dataset_text_field="text", num_proc=None, batch_size=1000):
+    """The rows of ``packing_strategy: wrapped`` (the default for text): encoded, then cut from one stream."""
+    encoder, layout = make_encoder(tokenizer, dataset.column_names, dataset_text_field, packing=True)
+    assert layout == "wrapped"
+    encoded = encode_dataset(dataset, encoder, num_proc, batch_size)
+    return pack_wrapped(encoded, max_length, num_proc, batch_size)
 
 
 # ---------------------------------------------------------------------------------------------- packing
 
 
 @pytest.mark.parametrize(
-    "block_size, num_proc, batch_size",
+    "max_length, num_proc, batch_size",
     [(16, None, 1000), (7, None, 3), (64, 2, 5), (1, None, 50)],
 )
-def test_pack_matches_reference_concatenation(tokenizer, block_size, num_proc, batch_size):
+def test_pack_matches_reference_concatenation(tokenizer, max_length, num_proc, batch_size):
     texts = make_docs(120)
-    packed = data.pack_dataset(
-        Dataset.from_dict({"text": texts}), tokenizer, block_size, num_proc=num_proc, batch_size=batch_size
+    packed = wrap(
+        Dataset.from_dict({"text": texts}), tokenizer, max_length, num_proc=num_proc, batch_size=batch_size
     )
-    expected = reference_blocks(texts, tokenizer, block_size)
+    expected = reference_blocks(texts, tokenizer, max_length)
     assert packed.column_names == ["input_ids", "labels"]
     assert packed.num_rows == len(expected) > 0
     assert packed["input_ids"][:] == expected  # exact, across map batches and worker shards
     assert packed["labels"][:] == packed["input_ids"][:]
-    assert all(len(row) == block_size for row in packed["input_ids"])
+    assert all(len(row) == max_length for row in packed["input_ids"])
 
 
 def test_pack_eos_between_documents(tokenizer):
     texts = ["hello world", "second doc", "third"]
-    stream = [
-        t
-        for row in data.pack_dataset(Dataset.from_dict({"text": texts}), tokenizer, 1)["input_ids"]
-        for t in row
-    ]
+    stream = [t for row in wrap(Dataset.from_dict({"text": texts}), tokenizer, 1)["input_ids"] for t in row]
     assert stream.count(tokenizer.eos_token_id) == 3
     assert tokenizer.decode(stream) == "hello world</s>second doc</s>third</s>"
 
@@ -107,21 +116,19 @@ def test_pack_eos_between_documents(tokenizer):
 def test_pack_too_small_dataset_says_how_many_tokens(tokenizer):
     texts = ["tiny", "docs"]
     num_tokens = len(reference_blocks(texts, tokenizer, 1))
-    with pytest.raises(ValueError, match=rf"{num_tokens} tokens in 2 documents.*block_size=4096"):
-        data.pack_dataset(Dataset.from_dict({"text": texts}), tokenizer, 4096)
+    with pytest.raises(ValueError, match=rf"{num_tokens} tokens in 2 documents.*max_length=4096"):
+        wrap(Dataset.from_dict({"text": texts}), tokenizer, 4096)
 
 
 def test_pack_missing_text_column_names_columns(tokenizer):
     ds = Dataset.from_dict({"content": ["a b c"], "id": [0]})
     with pytest.raises(ValueError, match=r"no text column 'text'.*\['content', 'id'\]"):
-        data.pack_dataset(ds, tokenizer, 8)
+        wrap(ds, tokenizer, 8)
 
 
 def test_pack_other_text_column(tokenizer):
     texts = make_docs(30)
-    packed = data.pack_dataset(
-        Dataset.from_dict({"body": texts, "n": list(range(30))}), tokenizer, 8, text_column="body"
-    )
+    packed = wrap(Dataset.from_dict({"body": texts, "n": list(range(30))}), tokenizer, 8, "body")
     assert packed["input_ids"][:] == reference_blocks(texts, tokenizer, 8)
 
 
@@ -131,7 +138,7 @@ def test_pack_other_text_column(tokenizer):
 def test_local_txt_one_row_per_paragraph(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("First paragraph,\nstill first.\n\n\n\nSecond paragraph.\n\n  Third  \n")
-    ds = data.load_text_dataset(str(path))
+    ds = sources.load_text_dataset(str(path))
     assert ds["text"][:] == ["First paragraph,\nstill first.", "Second paragraph.", "Third"]
 
 
@@ -140,10 +147,10 @@ def test_local_jsonl_and_json(tmp_path):
     (tmp_path / "a.jsonl").write_text(
         "".join(json.dumps({"content": d, "id": i}) + "\n" for i, d in enumerate(docs))
     )
-    ds = data.load_text_dataset(str(tmp_path / "a.jsonl"), text_column="content")
+    ds = sources.load_text_dataset(str(tmp_path / "a.jsonl"), dataset_text_field="content")
     assert ds["content"][:] == docs
     (tmp_path / "b.json").write_text(json.dumps([{"text": d} for d in docs]))
-    assert data.load_text_dataset(str(tmp_path / "b.json"))["text"][:] == docs
+    assert sources.load_text_dataset(str(tmp_path / "b.json"))["text"][:] == docs
 
 
 def test_local_parquet_and_folder(tmp_path):
@@ -153,30 +160,36 @@ def test_local_parquet_and_folder(tmp_path):
     # Two shards, read back in sorted file order.
     pq.write_table(pa.table({"text": docs[10:]}), folder / "part-1.parquet")
     pq.write_table(pa.table({"text": docs[:10]}), folder / "part-0.parquet")
-    assert data.load_text_dataset(str(folder / "part-0.parquet"))["text"][:] == docs[:10]
-    assert data.load_text_dataset(str(folder))["text"][:] == docs
+    assert sources.load_text_dataset(str(folder / "part-0.parquet"))["text"][:] == docs[:10]
+    assert sources.load_text_dataset(str(folder))["text"][:] == docs
 
 
 def test_local_missing_text_column_names_columns(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text(json.dumps({"body": "x", "title": "y"}) + "\n")
     with pytest.raises(ValueError, match=r"no text column 'text'.*\['body', 'title'\]"):
-        data.load_text_dataset(str(path))
+        sources.load_text_dataset(str(path))
 
 
 def test_local_path_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="No such file"):
-        data.load_text_dataset(str(tmp_path / "missing.jsonl"))
+        sources.load_text_dataset(str(tmp_path / "missing.jsonl"))
     with pytest.raises(FileNotFoundError, match="No such file"):
-        data.load_text_dataset("./does/not/exist")
-    (tmp_path / "table.csv").write_text("text\nhello\n")
-    with pytest.raises(ValueError, match=r"Unsupported file type '.csv'.*\.jsonl"):
-        data.load_text_dataset(str(tmp_path / "table.csv"))
+        sources.load_text_dataset("./does/not/exist")
+    (tmp_path / "table.xyz").write_text("text\nhello\n")
+    with pytest.raises(ValueError, match=r"reads no file like 'table.xyz'.*JSON Lines"):
+        sources.load_text_dataset(str(tmp_path / "table.xyz"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    (empty / "readme.md").write_text("hi")
-    with pytest.raises(ValueError, match="no file of a supported type"):
-        data.load_text_dataset(str(empty))
+    (empty / "readme.md").write_text("hi")  # `datasets` reads .md files as task folders, not rows of text
+    with pytest.raises(ValueError, match=r"reads no file like 'readme.md' as rows of text"):
+        sources.load_text_dataset(str(empty))
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    (mixed / "b.csv").write_text("text\ny\n")
+    with pytest.raises(ValueError, match=r"mixes file types \(csv, jsonl\)"):
+        sources.load_text_dataset(str(mixed))
 
 
 # ---------------------------------------------------------------------------------------------- splits
@@ -186,11 +199,11 @@ def test_validation_carve_out_disjoint_and_deterministic(tmp_path, tokenizer):
     docs = make_docs(200)
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    train, eval_ = data.load_splits(str(path), validation_split_percentage=5, seed=0)
+    train, eval_ = sources.load_splits(str(path), validation_split_percentage=5, seed=0)
     assert (train.num_rows, eval_.num_rows) == (190, 10)
     assert set(train["text"]).isdisjoint(eval_["text"])
     assert sorted(train["text"][:] + eval_["text"][:]) == sorted(docs)
-    train2, eval2 = data.load_splits(str(path), validation_split_percentage=5, seed=0)
+    train2, eval2 = sources.load_splits(str(path), validation_split_percentage=5, seed=0)
     assert train2["text"][:] == train["text"][:] and eval2["text"][:] == eval_["text"][:]
 
     # Packed BEFORE vs after: the eval blocks are exactly the packing of the eval documents alone.
@@ -208,7 +221,7 @@ def test_existing_validation_split_is_used(monkeypatch, tokenizer):
             "validation": Dataset.from_dict({"text": make_docs(20, 3)}),
         }
     )
-    monkeypatch.setattr(data, "load_text_dataset", lambda *args, **kwargs: splits)
+    monkeypatch.setattr(sources, "load_text_dataset", lambda *args, **kwargs: splits)
     train, eval_ = data.prepare_datasets("some/hub-dataset", tokenizer, 8)
     assert train["input_ids"][:] == reference_blocks(make_docs(50), tokenizer, 8)
     assert eval_["input_ids"][:] == reference_blocks(make_docs(20, 3), tokenizer, 8)
@@ -217,7 +230,7 @@ def test_existing_validation_split_is_used(monkeypatch, tokenizer):
 def test_eval_too_small_error(tmp_path, tokenizer):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_docs(20)))
-    with pytest.raises(ValueError, match="validation documents are too small.*validation_split_percentage"):
+    with pytest.raises(ValueError, match="evaluation documents are too few.*validation_split_percentage"):
         data.prepare_datasets(str(path), tokenizer, 128, validation_split_percentage=5)
 
 
@@ -236,8 +249,8 @@ def test_builtin_corpus_is_sizable_and_deterministic(corpus):
 
 
 def test_builtin_name_loads_builtin_corpus(corpus, monkeypatch):
-    monkeypatch.setattr(data, "builtin_corpus", lambda: corpus)
-    ds = data.load_text_dataset(data.BUILTIN_DATASET)
+    monkeypatch.setattr(sources, "builtin_corpus", lambda: corpus)
+    ds = sources.load_text_dataset(BUILTIN_DATASET)
     assert ds.num_rows == corpus.num_rows
 
 
@@ -246,7 +259,7 @@ def test_builtin_name_loads_builtin_corpus(corpus, monkeypatch):
 
 def test_bpe_tokenizer_round_trip_save_load_and_determinism(tmp_path, corpus):
     texts = corpus["text"][:60]
-    tok = data.train_bpe_tokenizer(texts, vocab_size=600, output_dir=str(tmp_path / "tok"))
+    tok = builtin_docs.train_bpe_tokenizer(texts, vocab_size=600, output_dir=str(tmp_path / "tok"))
     assert len(tok) == 600
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "<pad>")
     samples = [
@@ -262,6 +275,6 @@ def test_bpe_tokenizer_round_trip_save_load_and_determinism(tmp_path, corpus):
         assert loaded(text, add_special_tokens=False)["input_ids"] == ids
         assert loaded.decode(ids) == text
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (0, 1, 2)
-    again = data.train_bpe_tokenizer(iter(texts), vocab_size=600)
+    again = builtin_docs.train_bpe_tokenizer(iter(texts), vocab_size=600)
     assert again.get_vocab() == tok.get_vocab()
     assert again(samples[2])["input_ids"] == tok(samples[2])["input_ids"]

@@ -15,6 +15,8 @@ from hf_noloco.data.encoding import (
     set_pad_token,
     tokenizer_adds_bos,
 )
+from hf_noloco.data.packing import encode_dataset, pack_wrapped, pad_dataset, rows_of
+from hf_noloco.data.sources import load_text_dataset
 from tests.helpers.chat_fixtures import CHATML, LLAMA3, chat_tokenizer, conversations, write_chat_jsonl
 
 datasets.disable_progress_bars()
@@ -30,11 +32,18 @@ def chatml():
     return chat_tokenizer(CHATML)
 
 
+def wrap(dataset, tokenizer, max_length):
+    """The rows of ``packing_strategy: wrapped`` (the default for text and pre-tokenized rows)."""
+    encoder, layout = make_encoder(tokenizer, dataset.column_names, packing=True)
+    assert layout == "wrapped"
+    return pack_wrapped(encode_dataset(dataset, encoder), max_length)
+
+
 def test_formats_are_read_from_the_columns():
     assert dataset_format(["messages", "text"]) == "messages"
     assert dataset_format(["prompt", "completion", "id"]) == "prompt_completion"
     assert dataset_format(["input_ids", "labels"]) == "tokens"
-    assert dataset_format(["body"], text_column="body") == "text"
+    assert dataset_format(["body"], dataset_text_field="body") == "text"
     with pytest.raises(ValueError, match=r"no text column 'text'; its columns are \['prompt'\]"):
         dataset_format(["prompt"])
 
@@ -42,8 +51,8 @@ def test_formats_are_read_from_the_columns():
 def test_assistant_mask_matches_the_chat_templates_own_token_by_token(chatml):
     """The reference is transformers' own assistant mask, from the template's {% generation %} markers (which
     the encoder does not use): the same ids, and labels exactly on the assistant tokens."""
-    encoder, packing = make_encoder(chatml, ["messages"], assistant_only_loss=True, block_size=4096)
-    assert packing is False  # conversations are padded, never packed
+    encoder, layout = make_encoder(chatml, ["messages"], assistant_only_loss=True, max_length=4096)
+    assert layout == "padded"  # conversations are padded unless packing is asked for
     checked = 0
     for messages in conversations(30):
         reference = chatml.apply_chat_template(
@@ -56,14 +65,14 @@ def test_assistant_mask_matches_the_chat_templates_own_token_by_token(chatml):
         checked += sum(reference["assistant_masks"])
     assert checked > 300
     # Without assistant_only_loss the whole conversation is trained on.
-    everything, _ = make_encoder(chatml, ["messages"], block_size=4096)
+    everything, _ = make_encoder(chatml, ["messages"], max_length=4096)
     ids, labels = everything({"messages": conversations(1)[0]})
     assert labels == ids
 
 
 def test_assistant_mask_without_generation_markers_covers_replies_and_their_end_of_turn():
     tokenizer = chat_tokenizer(LLAMA3)  # Llama-3's layout has no generation markers
-    encoder, _ = make_encoder(tokenizer, ["messages"], assistant_only_loss=True, block_size=4096)
+    encoder, _ = make_encoder(tokenizer, ["messages"], assistant_only_loss=True, max_length=4096)
     for messages in conversations(12):
         ids, labels = encoder({"messages": messages})
         trained = tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE_INDEX])
@@ -73,8 +82,8 @@ def test_assistant_mask_without_generation_markers_covers_replies_and_their_end_
 
 
 def test_prompt_completion_trains_on_the_completion_only(chatml):
-    encoder, packing = make_encoder(chatml, ["prompt", "completion"], block_size=4096)
-    assert packing is False and encoder.completion_only_loss  # TRL's default for this format
+    encoder, layout = make_encoder(chatml, ["prompt", "completion"], max_length=4096)
+    assert layout == "padded" and encoder.completion_only_loss  # TRL's default for this format
     ids, labels = encoder({"prompt": "The quick brown", "completion": " fox jumps."})
     prompt = chatml("The quick brown", add_special_tokens=False)["input_ids"]
     completion = chatml(" fox jumps.", add_special_tokens=False)["input_ids"]
@@ -87,7 +96,7 @@ def test_prompt_completion_trains_on_the_completion_only(chatml):
     assert chatml.decode([t for t, label in zip(ids, labels) if label != IGNORE_INDEX]) == (
         messages[-1]["content"] + "<|im_end|>\n"
     )
-    whole, _ = make_encoder(chatml, ["prompt", "completion"], completion_only_loss=False, block_size=64)
+    whole, _ = make_encoder(chatml, ["prompt", "completion"], completion_only_loss=False, max_length=64)
     assert whole({"prompt": "a", "completion": " b"})[1] == whole({"prompt": "a", "completion": " b"})[0]
 
 
@@ -95,8 +104,8 @@ def test_bos_and_eos_follow_the_tokenizer_unless_told(chatml):
     text = {"text": "seven wizards"}
     body = chatml("seven wizards", add_special_tokens=False)["input_ids"]
     assert not tokenizer_adds_bos(chatml)  # like GPT-2's and Qwen's
-    encoder, packing = make_encoder(chatml, ["text"])
-    assert packing and encoder({"text": "seven wizards"})[0] == body + [chatml.eos_token_id]
+    encoder, layout = make_encoder(chatml, ["text"])
+    assert layout == "wrapped" and encoder({"text": "seven wizards"})[0] == body + [chatml.eos_token_id]
     encoder, _ = make_encoder(chatml, ["text"], add_bos=True, add_eos=False)
     assert encoder(text)[0] == [chatml.bos_token_id] + body
     # A tokenizer that adds its bos itself (as Llama's) gets one by default.
@@ -118,18 +127,18 @@ def test_empty_and_whitespace_rows_are_dropped(chatml):
         and encoder({"text": " \n\t "}) is None
         and encoder({"text": None}) is None
     )
-    chat, _ = make_encoder(chatml, ["messages"], assistant_only_loss=True, block_size=16)
+    chat, _ = make_encoder(chatml, ["messages"], assistant_only_loss=True, max_length=16)
     assert chat({"messages": []}) is None
     # Truncated before the first reply: nothing left to train on.
     assert chat({"messages": conversations(4)[3]}) is None
-    packed = data.pack_dataset(Dataset.from_dict({"text": ["", "a b", "   ", "c"]}), chatml, 1)
+    packed = wrap(Dataset.from_dict({"text": ["", "a b", "   ", "c"]}), chatml, 1)
     stream = [t for row in packed["input_ids"] for t in row]
     assert stream.count(chatml.eos_token_id) == 2  # one per non-empty document
 
 
 def test_pre_tokenized_rows_are_used_as_they_are(chatml):
     rows = {"input_ids": [[5, 6, 7], [8, 9], []], "labels": [[5, -100, 7], [8, 9], []]}
-    packed = data.pack_dataset(Dataset.from_dict(rows), chatml, 2)
+    packed = wrap(Dataset.from_dict(rows), chatml, 2)
     assert packed["input_ids"][:] == [[5, 6], [7, 8]]  # no bos, no eos, nothing re-tokenized
     assert packed["labels"][:] == [[5, -100], [7, 8]]
 
@@ -144,8 +153,15 @@ def test_a_tokenizer_without_pad_token_pads_with_eos(chatml):
 
 
 def test_options_that_do_not_fit_the_data_are_refused(chatml):
-    with pytest.raises(ValueError, match="packing=True is not supported for messages rows"):
-        make_encoder(chatml, ["messages"], packing=True)
+    with pytest.raises(ValueError, match="packing_strategy='wrapped' is not supported for messages rows"):
+        make_encoder(chatml, ["messages"], packing=True, packing_strategy="wrapped")
+    with pytest.raises(ValueError, match="not supported for prompt/completion rows"):
+        make_encoder(chatml, ["prompt", "completion"], packing=True, packing_strategy="wrapped")
+    # Packed conversations: best-fit-decreasing bins by default; a strategy given alone packs too.
+    assert make_encoder(chatml, ["messages"], packing=True)[1] == "bfd"
+    assert make_encoder(chatml, ["messages"], packing_strategy="bfd_split")[1] == "bfd_split"
+    assert make_encoder(chatml, ["prompt", "completion"], packing_strategy="bfd")[1] == "bfd"
+    assert make_encoder(chatml, ["text"], packing_strategy="bfd")[1] == "bfd"
     with pytest.raises(ValueError, match="assistant_only_loss needs a `messages` column"):
         make_encoder(chatml, ["text"], assistant_only_loss=True)
     with pytest.raises(ValueError, match="completion_only_loss needs `prompt` and `completion`"):
@@ -157,7 +173,7 @@ def test_options_that_do_not_fit_the_data_are_refused(chatml):
 
 
 def test_chat_jsonl_is_padded_and_masked_token_by_token(tmp_path, chatml):
-    """The dataset a chat fine-tune trains on: every row exactly block_size long, attention on the real tokens
+    """The dataset a chat fine-tune trains on: every row exactly max_length long, attention on the real tokens
     only, and labels on the assistant tokens only, as the template's own mask says."""
     convs = write_chat_jsonl(tmp_path / "chat.jsonl", 40)
     (tmp_path / "eval.jsonl").write_text("")
@@ -188,12 +204,9 @@ def test_text_rows_can_be_padded_one_per_row(tmp_path, chatml):
     path = tmp_path / "docs.jsonl"
     docs = ["first document here", "", "second one", "third and last document"]
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    train = data.pad_dataset(
-        data.load_text_dataset(str(path)),
-        make_encoder(chatml, ["text"], packing=False, block_size=8)[0],
-        8,
-        chatml.pad_token_id,
-    )
+    encoder, layout = make_encoder(chatml, ["text"], packing=False, max_length=8)
+    assert layout == "padded"
+    train = pad_dataset(encode_dataset(load_text_dataset(str(path)), encoder), 8, chatml.pad_token_id)
     assert train.num_rows == 3
     for row, doc in zip(train, [d for d in docs if d]):
         ids = chatml(doc, add_special_tokens=False)["input_ids"] + [chatml.eos_token_id]
@@ -208,3 +221,39 @@ def test_max_eval_samples_caps_evaluation(tmp_path, chatml):
         str(path), chatml, 8, validation_split_percentage=20, max_eval_samples=7
     )
     assert full.num_rows > 7 and capped["input_ids"][:] == full["input_ids"][:7]
+
+
+def test_packed_conversations_are_whole_and_never_attend_to_each_other(chatml):
+    """``packing: true`` on conversations: best-fit-decreasing bins of whole conversations. Each is a segment
+    whose position ids restart at 0 (so attention never crosses it), with the labels it has alone (its first
+    one -100: it predicts nothing of the one before); every conversation once; padding only after the last."""
+    convs = conversations(40)
+    max_length = 128
+    encoder, layout = make_encoder(
+        chatml, ["messages"], packing=True, assistant_only_loss=True, max_length=max_length
+    )
+    assert layout == "bfd"  # the default strategy for packed conversations
+    rows = rows_of(encode_dataset(Dataset.from_dict({"messages": convs}), encoder), layout, max_length, 0)
+    expected = []
+    for messages in convs:
+        reference = chatml.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = reference["input_ids"][:max_length], reference["assistant_masks"][:max_length]
+        labels = [IGNORE_INDEX] + [token if m else IGNORE_INDEX for token, m in zip(ids[1:], mask[1:])]
+        if any(label != IGNORE_INDEX for label in labels):
+            expected.append((tuple(ids), tuple(labels)))
+    found = []
+    for row in rows:
+        length = sum(row["attention_mask"])
+        assert len(row["input_ids"]) == len(row["labels"]) == len(row["position_ids"]) == max_length
+        assert row["attention_mask"] == [1] * length + [0] * (max_length - length)
+        assert row["input_ids"][length:] == [0] * (max_length - length)
+        assert row["labels"][length:] == [IGNORE_INDEX] * (max_length - length)
+        assert row["position_ids"][length:] == list(range(max_length - length))
+        starts = [i for i, p in enumerate(row["position_ids"][:length]) if p == 0] + [length]
+        for start, end in zip(starts, starts[1:]):
+            assert row["position_ids"][start:end] == list(range(end - start))
+            found.append((tuple(row["input_ids"][start:end]), tuple(row["labels"][start:end])))
+    assert sorted(found) == sorted(expected) and len(expected) > 30
+    assert len(rows) < len(expected)  # packed: several conversations share a row

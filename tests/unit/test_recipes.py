@@ -124,7 +124,7 @@ def test_recipe_passes_its_dry_check(recipe, tmp_path, monkeypatch):
     assert os.path.relpath(recipe, ROOT) in read(
         os.path.join(ROOT, "recipes", "README.md")
     )  # its launch line is in recipes/README.md
-    if data_args.streaming:
+    if data_args.dataset_streaming:
         assert data_args.max_eval_samples is not None and settings.max_steps > 0
     tokenizer = model_args.tokenizer_name_or_path or ""
     assert "meta-llama/" not in tokenizer  # no gated tokenizer for a model trained from scratch
@@ -134,7 +134,7 @@ def test_c4_recipe_streams_with_an_open_tokenizer_and_capped_evaluation(tmp_path
     monkeypatch.setenv("WORLD_SIZE", "8")
     recipe = os.path.join(ROOT, "recipes", "llama-125m", "noloco-c4.yaml")
     model_args, data_args, settings = check_recipe([recipe, "--output_dir", str(tmp_path)])
-    assert data_args.streaming and data_args.preprocessing_num_proc is None
+    assert data_args.dataset_streaming and data_args.dataset_num_proc is None
     assert model_args.tokenizer_name_or_path == "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"
     assert data_args.max_eval_samples == 1024 and settings.ddp_timeout == 600
 
