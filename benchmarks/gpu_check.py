@@ -6,7 +6,8 @@
 
 One GPU: a pp=1 run in bf16 with the outer state offloaded (where every tensor lives, that the loss falls,
 that slow weights and momentum stay in pinned CPU memory, also after a resume), and the export (one checkpoint
-that reloads and reproduces the trained stage's logits). Two GPUs or more: pp=2 with the 1f1b schedule and
+that reloads and reproduces the trained stage's logits), and packed rows under sdpa and flash-attention
+against each sequence alone. Two GPUs or more: pp=2 with the 1f1b schedule and
 messages of 16 MiB and more (the size at which NCCL's sends wait for their receiver: the schedule's batching
 is what keeps it from deadlocking), then a rank killed mid-training, which the other must report, naming it,
 within p2p_timeout. Writes benchmarks/results/gpu_check.json.
@@ -164,6 +165,47 @@ def single_process_checks(device: str, out: str) -> list[tuple[str, bool, str]]:
     detail = f"{seen} rows (per_device_train_batch_size {per_device}; {visible} GPUs visible)"
     rows.append(("a batch is per_device_train_batch_size rows", seen == per_device, detail))
     resumed.end()
+    return rows
+
+
+def packed_rows_checks(device: str) -> list[tuple[str, bool | None, str]]:
+    """Packed rows (position ids restarting at each sequence, no mask) through a stage, against the model on
+    each sequence alone: sdpa (a block-diagonal mask), and flash-attention where installed (the stage runs
+    the microbatch as one flat row, whose positions its variable-length kernels read)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_noloco.engine.partition import split_model
+
+    lengths = [[37, 20, 50, 21], [64, 40, 24]]  # each row: 128 tokens
+    ids = torch.randint(3, 512, (2, 128), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in lengths], device=device)
+    dtype, tolerance = (torch.bfloat16, 3e-2) if device == "cuda" else (torch.float32, 1e-4)
+    rows = []
+    for impl in ("sdpa", "flash_attention_2"):
+        if impl.startswith("flash") and (device != "cuda" or importlib.util.find_spec("flash_attn") is None):
+            rows.append((f"packed rows under {impl}", None, "needs CUDA and the flash_attn package"))
+            continue
+        config = _model_config(256, 2)
+        config._attn_implementation = impl
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).to(device, dtype).eval()
+        stage = split_model(model, 0, 1)
+        with torch.no_grad():
+            packed = stage(ids, position_ids=positions).float()
+            error, scale = 0.0, 0.0
+            for r, row in enumerate(lengths):
+                start = 0
+                for n in row:
+                    alone = model(input_ids=ids[r : r + 1, start : start + n]).logits.float()[0]
+                    error = max(error, (packed[r, start : start + n] - alone).abs().max().item())
+                    scale = max(scale, alone.abs().max().item())
+                    start += n
+        relative = error / max(scale, 1e-9)
+        name = str(dtype).removeprefix("torch.")
+        detail = f"max |diff| {error:.2e} ({relative:.1e} of the largest logit), {name}"
+        rows.append((f"packed rows under {impl} equal each sequence alone", relative < tolerance, detail))
     return rows
 
 
@@ -384,6 +426,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             out = args.out or tmp
             rows += _guarded("pp=1 checks", single_process_checks, args.device, os.path.join(out, "single"))
+            rows += _guarded("packed rows", packed_rows_checks, args.device)
             if args.device == "cpu" or gpus >= 2:
                 nproc = 2 if args.device == "cpu" else (4 if gpus >= 4 else 2)
                 rows += _guarded("pp=2 and a killed rank", multi_process_checks, args.device, nproc, out)

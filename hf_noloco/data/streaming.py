@@ -128,14 +128,24 @@ class TokenStream(torch.utils.data.IterableDataset):
         return shard
 
     def shard_source(self, epoch: int = 0):
-        source = self.source
-        if self.num_shards > 1:
-            if getattr(source, "num_shards", 1) >= self.num_shards:
-                source = source.shard(num_shards=self.num_shards, index=self.shard_index, contiguous=False)
-            else:
-                source = split_dataset_by_node(source, rank=self.shard_index, world_size=self.num_shards)
-        if self.shuffle_seed is not None:
-            source = source.shuffle(seed=self.shuffle_seed, buffer_size=1)
+        """The part of the source this shard reads, in its order at ``epoch`` (see the module's docstring)."""
+        # Always a new dataset (``shard`` builds its iterables anew): a dataset keeps the state it was loaded
+        # with and its iteration's progress, which would reach every other reader of ``self.source`` (later
+        # epochs, the other streams of the split) if it were read itself.
+        by_files = self.num_shards > 1 and getattr(self.source, "num_shards", 1) >= self.num_shards
+        if by_files:
+            source = self.source.shard(num_shards=self.num_shards, index=self.shard_index, contiguous=False)
+        else:
+            source = self.source.shard(num_shards=1, index=0)
+        if self.shuffle_seed is not None and getattr(source, "num_shards", 1) > 1:
+            # The shard order is drawn here rather than by `datasets`' shuffle: its buffer (even of one row,
+            # before datasets 5) is not restored on resume, and since 5 it interleaves shards in threads and
+            # sleeps at every iterator's end. Drawn before the row split, so all replicas agree on it.
+            order = list(range(source.num_shards))
+            random.Random(f"shards:{self.shuffle_seed}:{epoch}").shuffle(order)
+            source = concatenate_datasets([source.shard(num_shards=len(order), index=i) for i in order])
+        if self.num_shards > 1 and not by_files:
+            source = split_dataset_by_node(source, rank=self.shard_index, world_size=self.num_shards)
         return source
 
     # ----------------------------------------------------------------------------------------- position
@@ -193,10 +203,11 @@ class TokenStream(torch.utils.data.IterableDataset):
     def _source_rows(self, position: dict):
         """``(state before the row, row)`` of this shard's source from ``position`` on, held-out rows
         filtered out. A state is ``(source state, shuffle buffer, generator state)``."""
-        # No set_epoch: `datasets` would reorder the shards of every epoch but the first, even unshuffled.
-        source = self.shard_source()
-        source.set_epoch(position["epoch"])
+        # No set_epoch: `datasets` would reorder the shards of every epoch after the first, even unshuffled.
+        source = self.shard_source(position["epoch"])
         if position["source_state"] is not None:
+            if position["source_state"].get("epoch"):  # saved by a version that let `datasets` reorder epochs
+                source.set_epoch(position["source_state"]["epoch"])  # the rest of that epoch in its order
             source.load_state_dict(position["source_state"])
         rows = iter(source)
         if hasattr(rows, "close"):

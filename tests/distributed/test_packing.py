@@ -49,7 +49,9 @@ def _packed_batch(tokenizer, fmt: str) -> tuple[dict, list[list[int]]]:
     rows = pack_bins(encoded, MAX_LENGTH, set_pad_token(tokenizer))
     assert len(rows) >= ROWS
     # The rows holding the most sequences (BFD's first bins hold the longest, often alone).
-    starts = [sum(p == 0 and m for p, m in zip(*pm)) for pm in zip(rows["position_ids"], rows["attention_mask"])]
+    starts = [
+        sum(p == 0 and m for p, m in zip(*pm)) for pm in zip(rows["position_ids"], rows["attention_mask"])
+    ]
     chosen = sorted(range(len(rows)), key=lambda i: -starts[i])[:ROWS]
     picked = rows.select(chosen)
     batch = {k: torch.tensor(picked[k]) for k in ("input_ids", "labels", "attention_mask", "position_ids")}

@@ -337,3 +337,51 @@ def test_streamed_pretraining_from_the_command_line(tmp_path):
     assert not os.path.exists(tmp_path / "c") or not any(
         f.endswith(".arrow") for _, _, files in os.walk(tmp_path / "c") for f in files
     )
+
+
+def _train_in_process(argv):
+    """``recipes/train.py ARGV`` on a rank forked by ``run_distributed`` (no interpreter to start); a refused
+    setting's exit status and ``error:`` line come back instead of ending the rank."""
+    import contextlib
+    import io
+
+    from hf_noloco.launch.cli import main
+
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        try:
+            main(argv)
+            status = 0
+        except SystemExit as exc:
+            status = exc.code
+    return status, printed.getvalue(), errors.getvalue()
+
+
+def test_a_streamed_run_that_never_evaluates_needs_no_max_eval_samples(tmp_path):
+    """One process, two steps, streamed from local parquet files without an evaluation split: with
+    ``eval_strategy: no`` it trains without max_eval_samples (and builds no evaluation set); a run that
+    evaluates is still refused without it."""
+    write_shards(tmp_path / "pq", 2, 40)
+    data.train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
+    model = '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, '
+    model += '"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}'
+
+    def argv(eval_strategy: str) -> list[str]:
+        return [
+            *("--model_config", model, "--tokenizer_name_or_path", str(tmp_path / "tokenizer")),
+            *("--dataset_name", str(tmp_path / "pq"), "--dataset_streaming", "true", "--max_length", "16"),
+            *("--shuffle_dataset", "true", "--shuffle_buffer_size", "8"),
+            *("--pipeline_stages", "1", "--outer_optimizer", "local", "--per_device_train_batch_size", "2"),
+            *("--max_steps", "2", "--logging_steps", "1", "--save_strategy", "no"),
+            *("--eval_strategy", eval_strategy, "--eval_steps", "1", "--report_to", "none"),
+            *("--disable_tqdm", "true", "--output_dir", str(tmp_path / f"out-{eval_strategy}")),
+        ]
+
+    [(status, printed, errors)] = run_distributed(_train_in_process, 1, argv("no"), timeout_s=120)
+    assert status == 0, printed[-3000:] + errors[-3000:]
+    assert printed.count("{'loss'") == 2  # both steps trained and logged
+    assert "Final eval perplexity" not in printed  # nothing evaluated
+    assert (tmp_path / "out-no" / "model.safetensors").exists()
+    [(status, printed, errors)] = run_distributed(_train_in_process, 1, argv("steps"), timeout_s=120)
+    assert status == 2 and "needs max_eval_samples" in errors, printed[-3000:] + errors[-3000:]
+    assert not (tmp_path / "out-steps").exists() or not any((tmp_path / "out-steps").iterdir())

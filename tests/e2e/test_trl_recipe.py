@@ -74,7 +74,9 @@ def test_a_trl_sft_recipe_runs_unchanged_with_the_noloco_keys(tmp_path):
     script, sft, model = TrlParser((ScriptArguments, SFTConfig, ModelConfig)).parse_args_and_config(
         ["--config", str(trl_only)]
     )
-    assert sft.max_length == 128 and sft.packing_strategy == "bfd" and script.dataset_train_split == "train_sft"
+    assert (
+        sft.max_length == 128 and sft.packing_strategy == "bfd" and script.dataset_train_split == "train_sft"
+    )
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({**trl_keys, **noloco_keys}))
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_DATASETS_CACHE=str(tmp_path / "c"))

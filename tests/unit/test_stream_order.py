@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from datasets.distributed import split_dataset_by_node
 
 from hf_noloco.data.datasets import prepare_streams
 from hf_noloco.data.encoding import make_encoder
@@ -108,7 +109,7 @@ def test_three_files_over_two_replicas_are_read_once_each_replica_its_own_files(
 @pytest.mark.parametrize("seed", [None, 3])
 def test_fewer_files_than_replicas_every_replica_keeps_one_row_in_n(tmp_path, seed):
     files = write_files(tmp_path / "data", 2, 15)
-    stream = stream_of(tmp_path / "data", packed=False, repeat=False, shuffle_seed=seed, shuffle_buffer_size=4)
+    stream = stream_of(tmp_path / "data", False, repeat=False, shuffle_seed=seed, shuffle_buffer_size=4)
     read = [names_of(stream.shard(r, 3)) for r in range(3)]
     assert [len(r) for r in read] == [10, 10, 10]
     assert sorted(sum(read, [])) == sorted(sum(files, []))
@@ -130,7 +131,8 @@ def test_a_seeded_stream_reads_every_row_of_each_epoch_in_its_own_order(tmp_path
     assert epochs_of(stream_of(tmp_path / "data", packed=False), 3, n) == [source_order] * 3
 
     def shuffled(seed):
-        return epochs_of(stream_of(tmp_path / "data", packed=False, shuffle_seed=seed, shuffle_buffer_size=4), 3, n)
+        stream = stream_of(tmp_path / "data", packed=False, shuffle_seed=seed, shuffle_buffer_size=4)
+        return epochs_of(stream, 3, n)
 
     epochs = shuffled(7)
     for epoch in epochs:
@@ -166,7 +168,7 @@ def straight_run(make, total: int) -> tuple[list[dict], list[dict]]:
 
 @pytest.mark.parametrize("share", [(0, 1), (1, 2)], ids=["one-replica", "replica-1-of-2"])
 @pytest.mark.parametrize("packed", [True, False], ids=["wrapped", "padded"])
-def test_a_shuffled_stream_resumed_from_a_checkpoint_yields_what_a_straight_one_would(tmp_path, packed, share):
+def test_a_shuffled_stream_resumed_from_a_checkpoint_reads_on_as_a_straight_one(tmp_path, packed, share):
     write_files(tmp_path / "data", 4, 12)
 
     def make():  # everything built anew, as a resumed process builds it
@@ -222,3 +224,58 @@ def vars_of(stream: TokenStream) -> dict:
         "shuffle_seed": stream.shuffle_seed,
         "shuffle_buffer_size": stream.shuffle_buffer_size,
     }
+
+
+@pytest.mark.parametrize("seed", [None, 5], ids=["unshuffled", "shuffled"])
+def test_streams_of_one_split_keep_their_positions_apart(tmp_path, seed):
+    """One replica, the evaluation rows held out of the training split: both streams read the same dataset.
+    A resumed training stream evaluated mid-way still evaluates on the held-out rows from their start, and
+    its own position after the evaluation still resumes exactly."""
+    write_files(tmp_path / "data", 2, 40)
+
+    def make():
+        train, evaluation = prepare_streams(
+            str(tmp_path / "data"),
+            TOKENIZER,
+            LENGTH,
+            validation_split_percentage=20,
+            max_eval_samples=5,
+            shuffle_dataset=seed is not None,
+            shuffle_buffer_size=4,
+            seed=seed or 0,
+        )
+        return train.shard(0, 1), evaluation.shard(0, 1)
+
+    reference_eval = take(make()[1], 100)
+    assert len(reference_eval) == 5
+    rows, positions = straight_run(lambda: make()[0], 40)
+    train, evaluation = make()  # a resumed run
+    train.load_state_dict(through_checkpoint(positions[7]))
+    iterator = iter(train)
+    before = [next(iterator) for _ in range(3)]
+    assert take(evaluation, 100) == reference_eval  # from the start of the held-out rows
+    after = [next(iterator) for _ in range(3)]
+    assert before + after == rows[7:13]
+    resumed, _ = make()
+    resumed.load_state_dict(through_checkpoint(train.state_dict()))
+    assert take(resumed, 27) == rows[13:]
+
+
+def test_a_position_saved_before_shuffling_existed_resumes_where_it_was(tmp_path):
+    """Positions of the previous version: the count named ``blocks``, the replica's rows read through
+    ``split_dataset_by_node``, whose ``set_epoch`` reordered the files of later epochs. The rest of that epoch
+    is read in its order, the epochs after in the source's."""
+    files = write_files(tmp_path / "data", 4, 6)
+    source = load_text_dataset(str(tmp_path / "data"), streaming=True)
+    old = split_dataset_by_node(source, rank=0, world_size=1)
+    old.set_epoch(2)
+    old_order = [row["input_ids"][0] for row in old]
+    assert sorted(old_order) == sorted(sum(files, [])) and old_order != sum(files, [])
+    rows = iter(old)
+    for _ in range(5):
+        next(rows)
+    position = {"epoch": 2, "source_state": old.state_dict(), "doc_offset": 0, "blocks": 5}  # padded: after
+    stream = stream_of(tmp_path / "data", packed=False).shard(0, 1)
+    stream.load_state_dict(through_checkpoint(position))
+    assert names_of(take(stream, 19 + 24)) == old_order[5:] + sum(files, [])
+    assert stream.state_dict()["epoch"] == 3
