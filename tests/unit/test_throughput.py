@@ -77,9 +77,10 @@ def test_counts_survive_a_checkpoint_and_an_old_one_loads():
     throughput.count(make_batch(rows=2, seq_len=8, seed=4))  # counted, not yet logged
     resumed = Throughput(config)
     resumed.load_state_dict(throughput.state_dict())
-    assert resumed.log_entries(lambda t: 1, "cpu")["tokens_seen"] == throughput.log_entries(
-        lambda t: 1, "cpu"
-    )["tokens_seen"]
+    assert (
+        resumed.log_entries(lambda t: 1, "cpu")["tokens_seen"]
+        == throughput.log_entries(lambda t: 1, "cpu")["tokens_seen"]
+    )
     old = Throughput(config)
     old.load_state_dict(1234)  # a checkpoint that recorded tokens_seen alone
     assert old.tokens_seen == 1234 and old.trained_tokens_seen == 0
