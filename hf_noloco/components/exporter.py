@@ -22,6 +22,9 @@ def export_run(trainer, output_dir: str) -> None:
     """Writes the export of ``trainer``'s run into ``output_dir``: the model (``export_replica``'s weights or
     the replica mean) or the PEFT adapter (merged into the model with ``merge_adapter``)."""
     args, mesh = trainer.args, trainer.mesh
+    # The tokens counted since the last training log join the total the card gives (a sum over the ranks).
+    token_sum = lambda t: trainer._live_sum(t, "all-reduce of the token counts")
+    trainer.throughput.log_entries(token_sum, args.device)
     with mesh.patient(args.ddp_timeout):  # one rank writes the whole model while the others wait
         if trainer.peft_config is not None:
             consensus = adapters.consensus_adapters(trainer.model, mesh, replica=args.export_replica)
