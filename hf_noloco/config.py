@@ -584,5 +584,9 @@ def _check_trainer_extras(c) -> None:
 
         check_hub_settings(True, c.hub_model_id, c.hub_token)
     resume = c.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() not in ("true", "last") and not os.path.isdir(resume):
+    if (
+        isinstance(resume, str)
+        and resume.lower() not in ("true", "last", "auto")
+        and not os.path.isdir(resume)
+    ):
         raise ValueError(f"resume_from_checkpoint: no such checkpoint folder {resume!r}.")

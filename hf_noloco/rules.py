@@ -127,9 +127,15 @@ def mesh_shape(world_size: int, pipeline_stages: int) -> tuple[int, int]:
     """``(num_replicas, num_stages)`` for ``world_size`` processes, or a clear error."""
     check_positive_int("pipeline_stages", pipeline_stages)
     if world_size % pipeline_stages:
+        how = (
+            " with a launcher, e.g. `accelerate launch --num_processes N recipes/train.py ...` or "
+            "`torchrun --nproc_per_node N recipes/train.py ...`"
+            if world_size == 1
+            else ""
+        )
         raise ValueError(
             f"The world size ({world_size} processes) is not divisible by pipeline_stages={pipeline_stages}: "
-            f"launch a multiple of {pipeline_stages} processes (num_replicas x pipeline_stages)."
+            f"launch a multiple of {pipeline_stages} processes (num_replicas x pipeline_stages){how}."
         )
     return world_size // pipeline_stages, pipeline_stages
 

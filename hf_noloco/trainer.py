@@ -167,8 +167,7 @@ class NoLoCoTrainer(Trainer):
             router,
             args.microbatch_size,
             p2p_timeout=args.p2p_timeout,
-            # Accelerate's autocast: bf16 mixed precision when `bf16=True` (the Trainer's helper is a no-op in
-            # v5).
+            # Accelerate's autocast: bf16 mixed precision when `bf16=True` (the Trainer's is a no-op in v5).
             autocast=lambda: self.accelerator.autocast(),
             schedule=args.pipeline_schedule,
             loss_chunk_tokens=args.loss_chunk_tokens,
@@ -228,8 +227,7 @@ class NoLoCoTrainer(Trainer):
                 tied_peer=self.tied.peer if self.tied.trains else None,
             )
             self.optimizer = self.outer
-            # While the live replicas change there is no averaging; a partner lost mid-exchange is the
-            # policy's to handle ("stop": an error).
+            # No averaging while the live replicas change; a partner lost mid-exchange is the policy's.
             self.outer.exchange_allowed = lambda: not self.replica_loss.offline
             self.outer.on_lost_partner = lambda exc: self.replica_loss.lost_partner(
                 exc, self.state.global_step + 1
@@ -270,15 +268,17 @@ class NoLoCoTrainer(Trainer):
     # ---------------------------------------------------------------------------------------- training
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """The Trainer's ``train``. ``resume_from_checkpoint`` is a checkpoint folder or ``True`` (the newest
-        checkpoint in ``output_dir`` that verifies); either way every file a rank reads is checked against the
-        checkpoint's checksums on every rank before any rank trains.
+        """The Trainer's ``train``. ``resume_from_checkpoint`` is a checkpoint folder, ``True`` (the newest
+        checkpoint in ``output_dir`` that verifies) or ``"auto"`` (that one if any, else a fresh start: one
+        recipe for a job a scheduler may requeue); every file a rank reads is checked against the checkpoint's
+        checksums on every rank before any rank trains.
 
         Workers that a launcher restarted after a worker of the job failed (``torchrun --max-restarts N``,
         ``accelerate launch --max_restarts N``) resume from the newest intact checkpoint in ``output_dir`` by
         themselves, or start over when the failed attempt saved none."""
-        restarted = not resume_from_checkpoint and elastic.agreed_restart(self.mesh)
-        if restarted:
+        auto = resume_from_checkpoint == "auto"  # a requeued job resumes, a first one starts
+        restarted = auto or not resume_from_checkpoint and elastic.agreed_restart(self.mesh)
+        if restarted and not auto:
             logger.warning(
                 "%s: a restart of this job: resuming from the newest intact checkpoint in %s, if any.",
                 self.mesh.describe(),
@@ -288,7 +288,7 @@ class NoLoCoTrainer(Trainer):
         if not resume_from_checkpoint and checkpoint.checkpoints_in(self.args.output_dir):
             raise ValueError(
                 f"{self.args.output_dir} already holds checkpoints of a run. Resume it with "
-                "resume_from_checkpoint=True, or choose another output_dir."
+                "resume_from_checkpoint=True (or 'auto', for a fresh output_dir too), or choose another one."
             )
         try:
             if resume_from_checkpoint:
@@ -310,16 +310,16 @@ class NoLoCoTrainer(Trainer):
             raise error from exc
 
     def _verified_checkpoint(self, requested, restarted: bool):
-        if requested is not True:
+        auto = requested == "auto"
+        if requested is not True and not auto:
             self.checkpointer.check_mesh_first(requested)
         with self.mesh.patient(self.args.ddp_timeout):  # hashing a large checkpoint may take a while
-            found = checkpoint.resolve_resume(self.args.output_dir, requested, self.mesh)
+            found = checkpoint.resolve_resume(self.args.output_dir, True if auto else requested, self.mesh)
         if found is None and not restarted:  # a restart before any save starts over
             raise ValueError(f"resume_from_checkpoint=True: {self.args.output_dir} holds no checkpoint.")
         if restarted and self.mesh.rank == 0:
-            logger.warning(
-                "Restarted job: %s", f"resuming {found}." if found else "no checkpoint yet, starting over."
-            )
+            what = f"resuming {found}." if found else "no checkpoint yet, from step 0."
+            logger.warning("%s: %s", "resume_from_checkpoint=auto" if auto else "Restarted job", what)
         return found
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -587,10 +587,9 @@ class NoLoCoTrainer(Trainer):
         self.close_watchers()
         super().end()
         if not self.replica_loss.may_tear_down_groups():
-            # Operations given up on when the replica was lost stay posted in gloo, with threads still waiting
-            # on them; destroying them as the interpreter exits aborts the process ("terminate called without
-            # an active exception", status 134), which a scheduler reads as a failed job. Everything is
-            # written by now: leave without running those destructors.
+            # Operations given up on when the replica was lost stay posted in gloo with threads waiting on
+            # them; destroying them at exit aborts the process ("terminate called without an active
+            # exception", status 134: a failed job to a scheduler). All is written: skip those destructors.
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

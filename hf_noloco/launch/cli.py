@@ -468,6 +468,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
     resume = config.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
         resume = True  # the newest checkpoint in output_dir
+    elif isinstance(resume, str) and resume.lower() == "auto":
+        resume = "auto"  # that one if any, else a fresh start
     try:
         trainer.train(resume_from_checkpoint=resume)
         metrics = trainer.evaluate() if eval_set is not None else {}

@@ -7,8 +7,12 @@ from hf_noloco.launch.local_launch import run_distributed
 
 def test_mesh_shape_rejects_indivisible_world():
     assert mesh_shape(6, 3) == (2, 3)
-    with pytest.raises(ValueError, match="not divisible by pipeline_stages=4"):
+    with pytest.raises(ValueError, match="not divisible by pipeline_stages=4") as caught:
         mesh_shape(6, 4)
+    assert "accelerate launch" not in str(caught.value)
+    # A bare `python recipes/train.py` (one process): the error says how to start several.
+    with pytest.raises(ValueError, match=r"with a launcher, e\.g\. `accelerate launch --num_processes N"):
+        mesh_shape(1, 2)
 
 
 def _mesh_facts(pp):

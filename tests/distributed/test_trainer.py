@@ -165,6 +165,49 @@ def test_resume_continues_exactly(tmp_path, tied):
     assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-12", "checkpoint-6"]
 
 
+def _requeued(out):
+    """The same call twice with resume_from_checkpoint="auto", as a requeued job makes it: the first starts
+    in an empty output_dir, the second resumes its newest checkpoint."""
+    from transformers import TrainerCallback
+
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    class Steps(TrainerCallback):
+        def __init__(self):
+            self.trained = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.trained.append(state.global_step)
+
+    runs = []
+    for max_steps in (4, 6):
+        args = make_args(
+            out,
+            max_steps=max_steps,
+            logging_steps=1,
+            eval_strategy="no",
+            save_strategy="steps",
+            save_steps=2,
+            outer_optimizer="local",
+        )
+        steps = Steps()
+        trainer = NoLoCoTrainer(byte_config(), args, train_dataset=byte_corpus(64), callbacks=[steps])
+        trainer.train(resume_from_checkpoint="auto")
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        runs.append((steps.trained, losses))
+    trainer.end()
+    return runs
+
+
+def test_resume_auto_starts_a_fresh_run_and_resumes_a_requeued_one(tmp_path):
+    for (first_steps, first), (second_steps, second) in run_distributed(
+        _requeued, 2, str(tmp_path / "run"), timeout_s=120
+    ):
+        assert first_steps == [1, 2, 3, 4] and second_steps == [5, 6]  # only the steps not yet trained
+        assert all(second[s] == first[s] for s in range(1, 5)) and sorted(second) == list(range(1, 7))
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+
+
 def _offloaded_outer_state(out):
     from hf_noloco.outer.optimizer import OuterOptimizer
     from hf_noloco.trainer import NoLoCoTrainer
