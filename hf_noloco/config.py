@@ -217,7 +217,8 @@ class NoLoCoConfig(TrainingArguments):
             training FLOPs on the non-padding tokens, estimated from its config as `6 N + 12 L d s` per
             token, per second and device, over this peak). `None`: the dense bf16 peak of a known GPU (H200,
             H100, A100, L40S, L4), else no `mfu` entry. Logs also carry `tokens_per_second` (non-padding
-            tokens) and `trained_tokens_per_second` (tokens with a label), and the Trainer's `total_flos`.
+            tokens) and `trained_tokens_per_second` (tokens with a label), and the Trainer's `total_flos` (the
+            same estimate over every token computed, padding included).
         export_replica (`int` or `None`, *optional*, defaults to `None`):
             What `save_model` exports: `None` the consensus (mean of each stage's replicas), or one replica's
             weights.

@@ -97,11 +97,12 @@ class Throughput:
     """Non-padding and trained (loss-bearing) tokens over all live replicas, their rates between two
     training logs, and the MFU (model FLOPs utilisation) when the device's peak FLOPs are known.
 
-    Only the first stage of each replica counts (:meth:`count`, every step, on the host: the batch is still
-    there), from its batch's attention mask and labels; :meth:`log_entries` sums the counts over the live
-    ranks at each training log. The FLOPs of a token come from the model's config
-    (:func:`~hf_noloco.estimate.flops.training_flops_per_token`), so the sum over the ranks is the model's
-    FLOPs on the non-padding tokens, whichever stage did which part.
+    Only the first stage of each replica counts (:meth:`count`, every step), from its batch's attention mask
+    and labels, into tensors beside the batch: on a GPU nothing waits for the device until
+    :meth:`log_entries` sums the counts over the live ranks at a training log. The FLOPs of a token come from
+    the model's config (:func:`~hf_noloco.estimate.flops.training_flops_per_token`), so the sum over the ranks
+    is the model's FLOPs, whichever stage did which part: the MFU counts the non-padding tokens, the
+    Trainer's ``total_flos`` (:meth:`count`'s return value) every token computed, padding included.
     """
 
     def __init__(self, config=None, counts: bool = True, peak_flops: float | None = None):
@@ -112,24 +113,31 @@ class Throughput:
         self.config, self.counts, self.peak_flops = config, counts, peak_flops
         self.tokens_seen = 0
         self.trained_tokens_seen = 0
-        self._pending = [0, 0, 0.0]  # this rank's tokens, trained tokens and FLOPs since the last log
+        # This rank's non-padding tokens, trained tokens and their FLOPs since the last log (float64: exact
+        # integers up to 2^53), where the batches are.
+        self._pending: torch.Tensor | None = None
         self._flops_per_token: dict[int, float] = {}
         self._last_time = time.monotonic()
 
     def count(self, inputs: dict) -> float:
-        """Counts a training batch of this replica; returns its FLOPs on this rank (0 off the first stage)."""
+        """Counts a training batch of this replica (on the first stage; a no-op elsewhere) and returns the
+        FLOPs of all its tokens on this rank, padding included (0 off the first stage), for ``total_flos``."""
         if not self.counts:
             return 0.0
         input_ids = inputs["input_ids"]
         mask, labels = inputs.get("attention_mask"), inputs.get("labels")
-        tokens = int(mask.sum()) if mask is not None else input_ids.numel()
         rows, seq_len = input_ids.shape
-        trained = int((labels[:, 1:] != -100).sum()) if labels is not None else rows * (seq_len - 1)
-        flops = tokens * self._per_token(seq_len)
+        per_token = self._per_token(seq_len)
+        if self._pending is None:
+            self._pending = torch.zeros(3, dtype=torch.float64, device=input_ids.device)
+        elif self._pending.device != input_ids.device:  # restored from a checkpoint, on the CPU
+            self._pending = self._pending.to(input_ids.device)
+        tokens = mask.sum() if mask is not None else input_ids.numel()
+        trained = (labels[:, 1:] != -100).sum() if labels is not None else rows * (seq_len - 1)
         self._pending[0] += tokens
         self._pending[1] += trained
-        self._pending[2] += flops
-        return flops
+        self._pending[2] += tokens * per_token
+        return input_ids.numel() * per_token
 
     def _per_token(self, seq_len: int) -> float:
         if self.config is None:
@@ -138,11 +146,14 @@ class Throughput:
             self._flops_per_token[seq_len] = training_flops_per_token(self.config, seq_len)
         return self._flops_per_token[seq_len]
 
+    def _pending_counts(self) -> list[float]:
+        return [0.0, 0.0, 0.0] if self._pending is None else self._pending.tolist()
+
     def state_dict(self) -> dict:
         return {
             "tokens_seen": self.tokens_seen,
             "trained_tokens_seen": self.trained_tokens_seen,
-            "pending": list(self._pending),
+            "pending": self._pending_counts(),
         }
 
     def load_state_dict(self, state) -> None:
@@ -151,16 +162,19 @@ class Throughput:
         state = {"tokens_seen": state} if isinstance(state, int) else state
         self.tokens_seen = int(state["tokens_seen"])
         self.trained_tokens_seen = int(state.get("trained_tokens_seen", 0))
-        self._pending = list(state.get("pending", [0, 0, 0.0]))
+        pending = state.get("pending")
+        self._pending = None if pending is None else torch.tensor(pending, dtype=torch.float64)
         self._last_time = time.monotonic()
 
     def log_entries(self, live_sum, device) -> dict[str, float]:
         """The counts since the last log summed over the live ranks with ``live_sum`` (collective: every
         rank calls it; the sum is made on ``device``), as log entries."""
-        stats = torch.tensor(self._pending, dtype=torch.float64, device=device)
+        stats = torch.zeros(3, dtype=torch.float64, device=device)
+        if self._pending is not None:
+            stats += self._pending.to(device)
+            self._pending = None
         ranks = live_sum(stats)
         tokens, trained, flops = stats.tolist()
-        self._pending = [0, 0, 0.0]
         self.tokens_seen += int(tokens)
         self.trained_tokens_seen += int(trained)
         now = time.monotonic()

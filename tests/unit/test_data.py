@@ -18,27 +18,9 @@ from hf_noloco.data import sources
 from hf_noloco.data.encoding import make_encoder
 from hf_noloco.data.packing import encode_dataset, pack_wrapped
 from hf_noloco.rules import BUILTIN_DATASET
+from tests.helpers.chat_fixtures import WORDS
 
 datasets.disable_progress_bars()
-
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wizards",
-    "quietly",
-    "judge",
-    "boxing",
-    "matches",
-]
 
 
 def make_docs(n: int, seed: int = 0) -> list[str]:

@@ -42,15 +42,15 @@ def test_padding_is_not_counted_and_mfu_divides_the_peak():
     trained = int((batch["labels"][:, 1:] != -100).sum())
     assert real < batch["input_ids"].numel()  # the batch has padding to leave out
     throughput = Throughput(config, counts=True, peak_flops=1e9)
-    flops = throughput.count(batch)
-    assert flops == real * training_flops_per_token(config, 10)
+    per_token = training_flops_per_token(config, 10)
+    assert throughput.count(batch) == batch["input_ids"].numel() * per_token  # total_flos: all computed
     entries = throughput.log_entries(_two_ranks, "cpu")
     assert entries["tokens_seen"] == 2 * real and entries["trained_tokens_seen"] == 2 * trained
     rate = entries["tokens_per_second"]
     assert entries["trained_tokens_per_second"] == pytest.approx(rate * trained / real)
-    # MFU: both ranks' FLOPs per second per rank over the peak = one rank's FLOPs per second over the peak.
+    # MFU: the non-padding tokens' FLOPs per second of both ranks, per rank, over the peak.
     seconds = 2 * real / rate
-    assert entries["mfu"] == pytest.approx(flops / seconds / 1e9, rel=1e-6)
+    assert entries["mfu"] == pytest.approx(2 * real * per_token / seconds / 2 / 1e9, rel=1e-6)
     # The next log counts only what came after.
     assert throughput.log_entries(_two_ranks, "cpu")["tokens_seen"] == 2 * real
 
