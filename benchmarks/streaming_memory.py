@@ -289,7 +289,7 @@ def main() -> None:
     output = args.output or os.path.join(
         RESULTS, "streaming_memory_quick.json" if args.quick else "streaming_memory.json"
     )
-    from hf_noloco.data.datasets import train_bpe_tokenizer
+    from hf_noloco.data.corpus import train_bpe_tokenizer
 
     runs = []
     with tempfile.TemporaryDirectory() as work:

@@ -12,10 +12,9 @@ import os
 
 from datasets import Dataset
 
-from hf_noloco.data.corpus import builtin_corpus, train_bpe_tokenizer  # noqa: F401 - re-exported
 from hf_noloco.data.encoding import DocumentEncoder, dataset_format, make_encoder, set_pad_token
 from hf_noloco.data.packing import encode_dataset, rows_of, truncation_report
-from hf_noloco.data.sources import EVAL_SPLITS, load_splits, load_text_dataset
+from hf_noloco.data.sources import evaluation_split, load_splits, load_text_dataset
 from hf_noloco.data.streaming import TokenStream
 
 
@@ -172,20 +171,8 @@ def prepare_streams(
         data_dir=data_dir,
         dataset_revision=dataset_revision,
     )
-    if dataset_train_split not in raw:
-        raise ValueError(
-            f"The dataset {dataset_name!r} has no split {dataset_train_split!r} to train on; its splits are "
-            f"{list(raw)} (dataset_train_split)."
-        )
+    eval_split = evaluation_split(raw, dataset_name, dataset_train_split, dataset_test_split)
     train_source = raw[dataset_train_split]
-    if dataset_test_split is not None and dataset_test_split not in raw:
-        raise ValueError(
-            f"The dataset {dataset_name!r} has no split {dataset_test_split!r} to evaluate on; its splits "
-            f"are {list(raw)} (dataset_test_split)."
-        )
-    eval_split = dataset_test_split or next(
-        (name for name in EVAL_SPLITS if name in raw and name != dataset_train_split), None
-    )
     columns = train_source.column_names
     if columns is None:  # some streamed datasets learn their columns from the first row
         columns = list(next(iter(train_source)).keys())

@@ -223,6 +223,26 @@ def load_mixture(mixture: dict, dataset_text_field: str = "text", seed: int = 42
     return mixed.train_test_split(test_size=test_size, shuffle=True, seed=seed)
 
 
+def evaluation_split(
+    raw, dataset_name: str, dataset_train_split: str, dataset_test_split: str | None
+) -> str | None:
+    """The name of ``raw``'s split to evaluate on: ``dataset_test_split``, else the first of
+    :data:`EVAL_SPLITS` it has (other than the training split), else ``None`` (one is held out). A split
+    named but missing is a clear error listing those ``raw`` has."""
+    for name, option, use in (
+        (dataset_train_split, "dataset_train_split", "train on"),
+        (dataset_test_split, "dataset_test_split", "evaluate on"),
+    ):
+        if name is not None and name not in raw:
+            raise ValueError(
+                f"The dataset {dataset_name!r} has no split {name!r} to {use}; its splits are {list(raw)} "
+                f"({option})."
+            )
+    if dataset_test_split is not None:
+        return dataset_test_split
+    return next((name for name in EVAL_SPLITS if name in raw and name != dataset_train_split), None)
+
+
 def load_splits(
     dataset_name: str,
     dataset_config: str | None = None,
@@ -256,22 +276,10 @@ def load_splits(
             data_dir=data_dir,
             dataset_revision=dataset_revision,
         )
-    if dataset_train_split not in raw:
-        raise ValueError(
-            f"The dataset {dataset_name!r} has no split {dataset_train_split!r} to train on; its splits are "
-            f"{list(raw)} (dataset_train_split)."
-        )
+    eval_split = evaluation_split(raw, dataset_name, dataset_train_split, dataset_test_split)
     train = raw[dataset_train_split]
-    if dataset_test_split is not None:
-        if dataset_test_split not in raw:
-            raise ValueError(
-                f"The dataset {dataset_name!r} has no split {dataset_test_split!r} to evaluate on; its "
-                f"splits are {list(raw)} (dataset_test_split)."
-            )
-        return train, raw[dataset_test_split]
-    for eval_split in EVAL_SPLITS:
-        if eval_split in raw and eval_split != dataset_train_split:
-            return train, raw[eval_split]
+    if eval_split is not None:
+        return train, raw[eval_split]
     if not 0 < validation_split_percentage < 100:
         raise ValueError(
             f"The dataset {dataset_name!r} has no evaluation split, so one is carved out of "

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_noloco.data import datasets as data
+from hf_noloco.data.corpus import train_bpe_tokenizer
 from hf_noloco.data.encoding import make_encoder
 from hf_noloco.data.sources import load_text_dataset
 from hf_noloco.data.streaming import TokenStream, is_held_out
@@ -63,7 +64,7 @@ def reference_rows(texts, tokenizer, max_length):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return data.train_bpe_tokenizer(documents(300), vocab_size=320)
+    return train_bpe_tokenizer(documents(300), vocab_size=320)
 
 
 def stream_of(path, tokenizer, **kwargs) -> TokenStream:
@@ -221,7 +222,7 @@ def test_streamed_run_resumes_exactly(tmp_path):
     checkpoint, then 4 steps (losses, weights and stream positions), evaluation reads exactly
     max_eval_samples rows, and nothing is written to the datasets cache."""
     write_shards(tmp_path / "pq", 4, 150)
-    data.train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
+    train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
     results = run_distributed(_streamed_run, 4, str(tmp_path), 8, timeout_s=180)
     for (logs, weights, eval_tokens, position), (
         resumed_logs,
@@ -288,7 +289,7 @@ def _three_stages(folder):
 
 def test_middle_stages_train_without_reading_the_stream(tmp_path):
     write_shards(tmp_path / "pq", 2, 80)
-    data.train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
+    train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
     results = run_distributed(_three_stages, 3, str(tmp_path), timeout_s=180)
     assert [reads for _, _, reads in results] == [True, False, True]
     for loss, reference, _ in results:
@@ -302,7 +303,7 @@ def test_streamed_pretraining_from_the_command_line(tmp_path):
 
     root = ROOT
     write_shards(tmp_path / "pq", 4, 150)
-    data.train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
+    train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_DATASETS_CACHE=str(tmp_path / "c"))
 
     def launch(max_steps: int, *extra: str) -> subprocess.CompletedProcess:
@@ -362,7 +363,7 @@ def test_a_streamed_run_that_never_evaluates_needs_no_max_eval_samples(tmp_path)
     ``eval_strategy: no`` it trains without max_eval_samples (and builds no evaluation set); a run that
     evaluates is still refused without it."""
     write_shards(tmp_path / "pq", 2, 40)
-    data.train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
+    train_bpe_tokenizer(documents(300), vocab_size=320, output_dir=str(tmp_path / "tokenizer"))
     model = '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, '
     model += '"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}'
 

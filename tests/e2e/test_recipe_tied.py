@@ -12,7 +12,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from hf_noloco.data.datasets import train_bpe_tokenizer
+from hf_noloco.data.corpus import train_bpe_tokenizer
 from tests.helpers.paths import ROOT
 from tests.helpers.tiny_models import tiny_config
 

@@ -3,7 +3,7 @@ network)."""
 
 import json
 
-from hf_noloco.data.datasets import train_bpe_tokenizer
+from hf_noloco.data.corpus import train_bpe_tokenizer
 
 # ChatML, as Qwen's: a default system turn when there is none. The `{% generation %}` markers let transformers
 # compute its own assistant mask, the independent reference the tests compare against; hf_noloco does not need
