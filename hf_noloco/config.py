@@ -22,6 +22,7 @@ from hf_noloco.outer.settings import OuterSettings
 from hf_noloco.resilience.elastic import join_restartable_group
 from hf_noloco.rules import (
     EXPORT_DTYPES,
+    HUB_STRATEGIES,
     MASTER_WEIGHTS,
     NONFINITE_ACTIONS,
     PIPELINE_SCHEDULES,
@@ -30,6 +31,7 @@ from hf_noloco.rules import (
     ROUTINGS,
     STAGE_BALANCES,
     ExportDtype,
+    HubStrategyName,
     MasterWeights,
     NonfiniteAction,
     OuterDtype,
@@ -231,8 +233,28 @@ class NoLoCoConfig(TrainingArguments):
             `"float32"`, `"bfloat16"`. A tied model is exported with one embedding matrix and
             `tie_word_embeddings=True`.
         hub_strategy (`str`, *optional*, defaults to `"end"`):
-            Must stay `"end"`: the exported model is pushed by `push_to_hub`; checkpoints are per-rank shards
-            that are never uploaded.
+            What `push_to_hub` uploads, as in the Trainer. `"end"`: the export, once, at the end.
+            `"every_save"`: also at each save, the consensus model exported into `output_dir` (a gather of
+            every stage to one rank, as at the end) and uploaded in the background while training goes on
+            (a save whose previous upload still runs is not pushed, unless `hub_always_push`).
+            `"checkpoint"`: also the checkpoint itself, to `last-checkpoint/` (download that folder and pass
+            it as `resume_from_checkpoint` to resume elsewhere, on the same mesh or another).
+            `"all_checkpoints"`: every checkpoint, each in a folder of its own name. The token and the
+            repository are checked with the Hub on one rank before training, and every rank stops with its
+            verdict.
+        hub_always_push (`bool`, *optional*, defaults to `False`):
+            With `hub_strategy` other than `"end"`: when the previous save's upload still runs, wait for it
+            and push this save too, instead of skipping this one (the export must not rewrite files an upload
+            is reading).
+        enable_jit_checkpoint (`bool`, *optional*, defaults to `True`):
+            On SIGTERM (what Slurm sends at preemption, a requeue and the time limit, and what torchrun and
+            `accelerate launch` forward to their workers), every rank saves a checkpoint at the same step
+            boundary, after the step running when the signal came or the next one, and training stops:
+            `hf-noloco-train` then exits with status 143 without evaluating or exporting, and the same command
+            with `resume_from_checkpoint: auto` resumes there and ends bit-identical to an uninterrupted run.
+            The ranks agree through a host-side all-reduce per step (no GPU synchronisation). Give the job a
+            grace period of two steps plus a save (torchrun and Slurm's default `KillWait` give 30 s).
+            `False`: SIGTERM ends the processes at once, as Python's default.
         average_tokens_across_devices (`bool`, *optional*, defaults to `False`):
             Must stay `False`: ranks hold different pipeline stages, and the last stage already weights each
             sample by the target tokens of its replica's batch.
@@ -275,7 +297,8 @@ class NoLoCoConfig(TrainingArguments):
     # Changed defaults of TrainingArguments fields.
     average_tokens_across_devices: bool = False
     dataloader_drop_last: bool = True
-    hub_strategy: str = "end"
+    hub_strategy: HubStrategyName = "end"
+    enable_jit_checkpoint: bool = True
 
     def __post_init__(self):
         if not self.use_cpu and not torch.cuda.is_available():
@@ -328,6 +351,20 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def check_gpus_per_machine(c) -> None:
+    """Each process of a machine takes the GPU of its local rank: with more processes than GPUs (a 4-process
+    CPU launch config on a machine with 1-3 GPUs) the last ones would fail when they reach the device."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)  # set by torchrun and accelerate launch
+    if c.use_cpu or c.ddp_backend == "gloo" or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        raise ValueError(
+            f"{local} processes on this machine but {gpus} GPU{'s' if gpus != 1 else ''}: launch at most "
+            f"{gpus} per machine (--num_processes), or pass --use_cpu true to train on the CPU (gloo)."
+        )
+
+
 def check_config(c) -> None:
     """Every check of :class:`NoLoCoConfig`. ``c`` is the config, or any object with its attributes (the
     command checks its parsed options before the config joins the process group)."""
@@ -342,6 +379,8 @@ def check_config(c) -> None:
     check_choice("nonfinite", c.nonfinite, NONFINITE_ACTIONS)
     check_choice("master_weights", c.master_weights, MASTER_WEIGHTS)
     check_replica_loss(c)
+    check_gpus_per_machine(c)
+    check_choice("hub_strategy", str(getattr(c.hub_strategy, "value", c.hub_strategy)), HUB_STRATEGIES)
     if not c.p2p_timeout > 0:
         raise ValueError(f"p2p_timeout must be a positive number of seconds, got {c.p2p_timeout!r}.")
     if c.microbatch_size is not None:
@@ -461,8 +500,6 @@ UNHONOURED: dict[str, tuple[object, str]] = {
     "include_num_input_tokens_seen": ("no", "the logs carry tokens_seen (tokens of every replica)"),
     "save_only_model": (False, "a checkpoint always holds what an exact resume needs"),
     "save_on_each_node": (False, "checkpoints are written once, to a filesystem shared by all ranks"),
-    "enable_jit_checkpoint": (False, "a checkpoint is a collective of every rank, not a signal handler's"),
-    "hub_always_push": (False, "only the exported model is pushed, once (hub_strategy='end')"),
     "eval_accumulation_steps": (None, "evaluation gathers no predictions, only loss sums"),
     "eval_use_gather_object": (False, "evaluation gathers no predictions, only loss sums"),
     "eval_do_concat_batches": (True, "evaluation gathers no predictions, only loss sums"),
@@ -498,12 +535,6 @@ def check_unhonoured(c) -> None:
         if value == default or (default in ("", [], "no") and not value):  # before TrainingArguments parses
             continue
         raise ValueError(f"{name}={value!r} is not supported by NoLoCoTrainer: {why}.")
-    strategy = str(getattr(c.hub_strategy, "value", c.hub_strategy))
-    if strategy != "end":
-        raise ValueError(
-            f"hub_strategy={strategy!r} is not supported by NoLoCoTrainer: checkpoints are per-rank shards "
-            "that are never uploaded; push_to_hub uploads the exported model (hub_strategy='end')."
-        )
     accelerator = c.accelerator_config
     if isinstance(accelerator, str) and accelerator.strip().startswith("{"):
         accelerator = json.loads(accelerator)

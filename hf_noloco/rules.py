@@ -41,6 +41,8 @@ ExportDtype = Literal["float32", "bfloat16"]
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 # How documents share a row (TRL's packing_strategy): cut from one stream, or best-fit-decreasing bins.
 PackingStrategy = Literal["wrapped", "bfd", "bfd_split"]
+# What push_to_hub uploads, and when (the Trainer's hub_strategy values).
+HubStrategyName = Literal["end", "every_save", "checkpoint", "all_checkpoints"]
 
 ROUTINGS: tuple[str, ...] = get_args(Routing)
 ROUTING_DOMAINS: tuple[str, ...] = get_args(RoutingDomain)
@@ -54,6 +56,7 @@ MASTER_WEIGHTS: tuple[str, ...] = get_args(MasterWeights)
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
 EXPORT_DTYPES: tuple[str, ...] = get_args(ExportDtype)
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
+HUB_STRATEGIES: tuple[str, ...] = get_args(HubStrategyName)
 # What model_init_kwargs may hold: the keys TRL scripts put there from ModelConfig.
 MODEL_INIT_KEYS = ("dtype", "attn_implementation", "revision", "trust_remote_code")
 

@@ -29,10 +29,10 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, default_data_collator
 
 from hf_noloco import adapters
+from hf_noloco.components import exporter
 from hf_noloco.components.checkpointer import RunCheckpointer
 from hf_noloco.components.column_stats import clip_gradients_, column_stats, nonfinite_report
 from hf_noloco.components.evaluation import evaluate_pipeline
-from hf_noloco.components.exporter import export_run, push_export, write_model_card
 from hf_noloco.components.inputs import check_dataset_size, check_trainer_inputs
 from hf_noloco.components.loaders import ReplicaLoaders
 from hf_noloco.components.metrics import Throughput, mean_training_loss, outer_log_entries, replica_divergence
@@ -47,11 +47,11 @@ from hf_noloco.engine.pipeline import PipelineEngine
 from hf_noloco.engine.routing import Router
 from hf_noloco.engine.tied import TiedEmbeddings
 from hf_noloco.io import checkpoint
-from hf_noloco.io.hub import check_hub_settings
 from hf_noloco.outer.optimizer import OuterOptimizer, broadcast_replica_weights
 from hf_noloco.resilience import elastic
 from hf_noloco.resilience.membership import ReplicaDropped
 from hf_noloco.resilience.policy import replica_loss_policy
+from hf_noloco.resilience.preemption import Preemption
 
 if TYPE_CHECKING:
     from hf_noloco.launch.arguments import DataArguments
@@ -188,7 +188,9 @@ class NoLoCoTrainer(Trainer):
         self.replica_loss = replica_loss_policy(
             args.on_replica_loss, self.mesh, args.p2p_timeout, self._on_live_replicas_changed
         )
-        self.add_callback(RunConfigCallback(self))
+        self.preemption = Preemption.of(self)  # SIGTERM: a checkpoint, then the end (enable_jit_checkpoint)
+        for callback in (RunConfigCallback(self), self.preemption):
+            self.add_callback(callback)
         # Accelerate's prepared optimizer would round-trip the whole state (slow weights and momentum too)
         # through the accelerator, defeating offload_outer_state: each part already lives where it belongs.
         self.accelerator.device_placement = False
@@ -493,9 +495,7 @@ class NoLoCoTrainer(Trainer):
         return self.replica_loss.tolerate("evaluation", run, interrupted, self.state.global_step)
 
     def predict(self, *args, **kwargs):
-        raise NotImplementedError(
-            "NoLoCoTrainer does not support predict(); export the model and use it directly."
-        )
+        raise NotImplementedError("NoLoCoTrainer has no predict(): export the model and use it directly.")
 
     # ------------------------------------------------------------------------------------- checkpoints
 
@@ -513,6 +513,8 @@ class NoLoCoTrainer(Trainer):
         self.replica_loss.tolerate(
             f"checkpoint-{step}", lambda: self.checkpointer.save(run_dir), lambda: None, step
         )
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(os.path.join(run_dir, f"{checkpoint.PREFIX_CHECKPOINT_DIR}-{step}"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         self.checkpointer.load_model_state(resume_from_checkpoint)
@@ -529,7 +531,9 @@ class NoLoCoTrainer(Trainer):
         consensus is over the live replicas, and a replica lost during the export makes the others start it
         again (up to three times)."""
         output_dir = output_dir or self.args.output_dir
-        self.replica_loss.retry("the export", lambda: export_run(self, output_dir), self.state.global_step)
+        self.replica_loss.retry(
+            "the export", lambda: exporter.export_run(self, output_dir), self.state.global_step
+        )
 
     @property
     def tokens_seen(self) -> int:
@@ -549,26 +553,22 @@ class NoLoCoTrainer(Trainer):
 
     def create_model_card(self, *args, **kwargs):
         if self.is_world_process_zero():
-            write_model_card(self, self.args.output_dir)
+            exporter.write_model_card(self, self.args.output_dir)
 
     def init_hf_repo(self, token=None, private=None):
-        """Checks the push settings on every rank before training; the repo is created when pushing."""
-        self.hub_model_id = check_hub_settings(True, self.args.hub_model_id, token or self.args.hub_token)
+        """Before training, on every rank: the token checked with the Hub and the repository created."""
+        self.hub_model_id, self.push_in_progress = exporter.init_repository(self, token, private), None
 
     def _push_from_checkpoint(self, checkpoint_folder):
-        pass  # checkpoints are per-rank shards; only the exported model is pushed
+        exporter.push_checkpoint(self, checkpoint_folder)  # by hub_strategy: the export, and the checkpoint
 
     def push_to_hub(
-        self,
-        commit_message: str | None = "End of training",
-        blocking: bool = True,
-        token=None,
-        revision=None,
-        **kwargs,
-    ) -> str | None:
+        self, commit_message="End of training", blocking=True, token=None, revision=None, **kwargs
+    ):
         """Exports to ``output_dir`` (collective) and uploads it from the leader rank."""
+        self._finish_current_push()  # a save's upload still running reads output_dir
         self.save_model(self.args.output_dir)
-        return push_export(self, commit_message or "End of training", token, revision)
+        return exporter.push_export(self, commit_message or "End of training", token, revision)
 
     def close_watchers(self) -> None:
         """Stops the heartbeat (and, under ``on_replica_loss="continue"``, the membership watch)."""

@@ -1,21 +1,33 @@
 """What ``NoLoCoTrainer.save_model`` writes: the consensus model (or the LoRA adapters) as one ordinary
-Hugging
-Face checkpoint, with its tokenizer, model card and training curves. Collective: every rank calls
-:func:`export_run`.
+Hugging Face checkpoint, with its tokenizer, model card and training curves; and its pushes to the Hub (the
+repository prepared before training, the export and checkpoints at each save by ``hub_strategy``, the
+export at the end). Collective: every rank calls these functions.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+import torch.distributed as dist
+from transformers.utils.hub import PushInProgress
 
 from hf_noloco import adapters
 from hf_noloco.components.run_record import run_settings, wandb_url
+from hf_noloco.engine.comm import peer_call
 from hf_noloco.io.card import PLOT_FILE, plot_training_curves, render_model_card
 from hf_noloco.io.export import gather_full_state_dict, save_consensus_checkpoint
-from hf_noloco.io.hub import push_folder_to_hub
+from hf_noloco.io.hub import (
+    CHECKPOINT_IGNORE_PATTERNS,
+    check_hub_settings,
+    prepare_repository,
+    push_folder_to_hub,
+    upload_in_background,
+)
 from hf_noloco.rules import BUILTIN_DATASET
+
+logger = logging.getLogger(__name__)
 
 
 def export_run(trainer, output_dir: str) -> None:
@@ -72,6 +84,73 @@ def push_export(trainer, commit_message: str, token=None, revision=None) -> str 
             )
         trainer.replica_loss.barrier()
     return url
+
+
+def _agree(trainer, message: list, what: str) -> list:
+    """``message`` (a list of one picklable value) as the leader holds it, on every live rank."""
+    mesh = trainer.mesh
+    if mesh.world_size > 1:
+        device = mesh.device if mesh.device.type == "cuda" else torch.device("cpu")
+        # No async form: bounded by the group's own timeout, ddp_timeout here (a Hub call may be slow).
+        with mesh.patient(trainer.args.ddp_timeout), peer_call(what):
+            dist.broadcast_object_list(message, src=mesh.leader, group=mesh.world_group, device=device)
+    return message
+
+
+def init_repository(trainer, token=None, private=None) -> str:
+    """Before training, on every rank: the push settings are checked, and the leader checks the token with
+    the Hub and creates the repository; its verdict is every rank's (the same error everywhere, no hang).
+    Returns the repository's full id."""
+    args, mesh = trainer.args, trainer.mesh
+    token = token or args.hub_token
+    repo_id = check_hub_settings(True, args.hub_model_id, token)
+    verdict = [None]
+    if mesh.is_leader:
+        try:
+            private = private if private is not None else args.hub_private_repo
+            verdict = [("ok", prepare_repository(repo_id, token, private, args.hub_revision))]
+        except ValueError as exc:
+            verdict = [("error", str(exc))]
+    [(kind, value)] = _agree(trainer, verdict, f"{mesh.describe()}: the Hub repository check")
+    if kind == "error":
+        raise ValueError(value)
+    return value
+
+
+def push_checkpoint(trainer, checkpoint_folder: str) -> None:
+    """``hub_strategy`` ``every_save``, ``checkpoint`` or ``all_checkpoints`` (collective, after each save):
+    the export of this step into ``output_dir``, uploaded in the background from the leader, and with
+    ``checkpoint`` the checkpoint itself to ``last-checkpoint/`` (``all_checkpoints``: to its own folder),
+    for a resume elsewhere. While the previous save's upload still runs, this save is not pushed (the
+    Trainer's rule), or with ``hub_always_push`` the leader waits for it first: the export must not rewrite
+    files an upload is reading."""
+    args, mesh = trainer.args, trainer.mesh
+    strategy = str(getattr(args.hub_strategy, "value", args.hub_strategy))
+    if strategy == "end":
+        return
+    previous = getattr(trainer, "push_in_progress", None)
+    busy = [mesh.is_leader and previous is not None and not previous.is_done()]
+    if busy[0] and args.hub_always_push:
+        previous.wait_until_done()
+        busy = [False]
+    if _agree(trainer, busy, f"{mesh.describe()}: whether the last push is done")[0]:
+        if mesh.is_leader:
+            logger.info("The previous push is still running: checkpoint %s is not pushed.", checkpoint_folder)
+        return
+    export_run(trainer, args.output_dir)
+    if not mesh.is_leader:
+        return
+    message = f"Training in progress, step {trainer.state.global_step}"
+    repo, token, revision = trainer.hub_model_id, args.hub_token, args.hub_revision
+    jobs = [upload_in_background(args.output_dir, repo, message, token, revision)]
+    if strategy in ("checkpoint", "all_checkpoints"):
+        where = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(checkpoint_folder)
+        message += ", checkpoint"
+        job = upload_in_background(
+            checkpoint_folder, repo, message, token, revision, where, CHECKPOINT_IGNORE_PATTERNS
+        )
+        jobs.append(job)
+    trainer.push_in_progress = PushInProgress(jobs)
 
 
 def _evaluation_split(eval_dataset) -> str | None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future
 
 from huggingface_hub import HfApi, get_token
+from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,11 @@ IGNORE_PATTERNS = [
     "runs/**",
     "*.tmp",
 ]
+
+
+# What a checkpoint upload leaves out (``hub_strategy: checkpoint``): only a save's leftovers. Its tensors and
+# optimizer states are needed to resume elsewhere; a resume reads them with ``torch.load(weights_only=True)``.
+CHECKPOINT_IGNORE_PATTERNS = ["*.tmp", "tmp-*"]
 
 
 def resolve_token(token: str | None = None) -> str | None:
@@ -113,3 +120,72 @@ def push_folder_to_hub(
     )
     logger.info("Pushed to %s", commit.commit_url)
     return commit.commit_url
+
+
+def prepare_repository(
+    repo_id: str,
+    token: str | None = None,
+    private: bool | None = None,
+    revision: str | None = None,
+    api: HfApi | None = None,
+) -> str:
+    """Checks the token (``whoami``: it must be valid and, when the Hub says, allowed to write) and creates
+    ``repo_id`` (and the branch ``revision``) if it does not exist yet: before training, so that a push at a
+    save or at the end cannot fail for either. Call it on one rank.
+
+    Raises:
+        ValueError: an invalid or read-only token, or a repository that cannot be created (named, without
+            the token).
+
+    Returns:
+        The repository's full id (the Hub fills in the user namespace of a bare name).
+    """
+    api = api if api is not None else HfApi()
+    token = resolve_token(token)
+    try:
+        role = api.whoami(token=token).get("auth", {}).get("accessToken", {}).get("role")
+    except HfHubHTTPError as exc:
+        status = getattr(exc.response, "status_code", None)
+        raise ValueError(
+            f"The Hugging Face token was refused by the Hub (HTTP {status}): push_to_hub needs a valid token "
+            "with write access (hub_token, HF_TOKEN or `hf auth login`)."
+        ) from None
+    if role == "read":  # fine-grained tokens carry per-repository rights: create_repo is their check
+        raise ValueError(
+            f"The Hugging Face token is read-only: push_to_hub to {repo_id} needs a token with write access."
+        )
+    try:
+        url = api.create_repo(repo_id, token=token, private=private, exist_ok=True, repo_type="model")
+        repo_id = url.repo_id or repo_id
+        if revision is not None:
+            api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+    except HfHubHTTPError as exc:
+        status = getattr(exc.response, "status_code", None)
+        raise ValueError(f"Cannot create or reach the Hub repository {repo_id} (HTTP {status}).") from None
+    return repo_id
+
+
+def upload_in_background(
+    folder: str,
+    repo_id: str,
+    commit_message: str,
+    token: str | None = None,
+    revision: str | None = None,
+    path_in_repo: str | None = None,
+    ignore_patterns: list[str] | None = None,
+    api: HfApi | None = None,
+) -> Future:
+    """Uploads ``folder`` in one commit on a background thread, as the Trainer's pushes at a save do (training
+    goes on meanwhile); returns the upload's future. Call it on one rank."""
+    api = api if api is not None else HfApi()
+    logger.info("Uploading %s to the Hub repository %s in the background", folder, repo_id)  # no token
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        path_in_repo=path_in_repo,
+        commit_message=commit_message,
+        token=resolve_token(token),
+        revision=revision,
+        ignore_patterns=list(IGNORE_PATTERNS if ignore_patterns is None else ignore_patterns),
+        run_as_future=True,
+    )

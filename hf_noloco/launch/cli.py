@@ -31,6 +31,7 @@ from transformers import HfArgumentParser
 from hf_noloco.config import NoLoCoConfig, check_config
 from hf_noloco.launch.arguments import DataArguments, ModelArguments, model_config_values
 from hf_noloco.resilience.membership import ReplicaDropped
+from hf_noloco.resilience.preemption import PREEMPTED_EXIT_STATUS
 from hf_noloco.rules import check_merge_adapter, check_model_init_kwargs, check_streamed_training
 
 MODEL_SOURCES = ("model_name_or_path", "model_config")
@@ -472,6 +473,9 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
         resume = "auto"  # that one if any, else a fresh start
     try:
         trainer.train(resume_from_checkpoint=resume)
+        if trainer.preemption.stopped:  # a checkpoint was written: no evaluation, no export
+            trainer.end()
+            sys.exit(PREEMPTED_EXIT_STATUS)
         metrics = trainer.evaluate() if eval_set is not None else {}
         if config.push_to_hub:
             url = trainer.push_to_hub()

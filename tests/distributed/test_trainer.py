@@ -36,6 +36,10 @@ def _train_wandb_export_push(out, endpoint):
         inner_steps=3,
         hub_model_id="fake-user/tiny-noloco",
         hub_token="hf_fake_token_123",
+        hub_strategy="checkpoint",  # each save: the export and last-checkpoint/, as the Trainer pushes them
+        hub_always_push=True,  # each save pushed: the order of the commits below is fixed
+        save_strategy="steps",
+        save_steps=20,
     )
     trainer = NoLoCoTrainer(
         byte_config(),
@@ -105,9 +109,61 @@ def test_noloco_run_learns_logs_exports_and_pushes(tmp_path, monkeypatch):
     assert float(card_ppl) == pytest.approx(evals[-1], rel=1e-3)
     assert "](training_curves.png)" in card  # linked relative to the repo root
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    [commit] = hub.commits
+    # The token was checked and the repository made before training; each save pushed its export and then
+    # its checkpoint (every file, to resume elsewhere); the end pushed the final export.
+    commits = [i for i, path in enumerate(hub.paths) if path.endswith("/commit/main")]
+    assert hub.paths.index("/api/whoami-v2") < hub.paths.index("/api/repos/create") < commits[0]
+    *saves, commit = hub.commits
+    assert [c["header"]["summary"] for c in saves] == [
+        "Training in progress, step 20",
+        "Training in progress, step 20, checkpoint",
+        "Training in progress, step 40",
+        "Training in progress, step 40, checkpoint",
+    ]
+    for export in saves[0::2]:
+        assert {"README.md", "config.json", "model.safetensors"} <= set(export["files"])
+        assert not any(name.startswith("checkpoint-") or name.endswith(".bin") for name in export["files"])
+    folder = out / "checkpoint-40"
+    expected = {f"last-checkpoint/{p.relative_to(folder)}" for p in folder.rglob("*") if p.is_file()}
+    assert set(saves[3]["files"]) == expected and len(expected) > 10
+    weights = "last-checkpoint/stage-1-replica-1/model.safetensors"
+    assert (
+        saves[3]["files"][weights]
+        == (out / "checkpoint-40" / "stage-1-replica-1/model.safetensors").read_bytes()
+    )
     assert commit["repo_id"] == "fake-user/tiny-noloco" and url.startswith(hub.endpoint)
+    assert commit["header"]["summary"] == "End of training"
     assert {"README.md", "config.json", "model.safetensors", "training_curves.png"} <= set(commit["files"])
+
+
+def _hub_refusals(out, endpoint):
+    import huggingface_hub.constants
+
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    huggingface_hub.constants.ENDPOINT = endpoint
+    errors = {}
+    for token in ("hf_unknown_token_456", "hf_read_token_789"):
+        hub = dict(push_to_hub=True, hub_model_id="fake-user/tiny", hub_token=token)
+        args = make_args(out, pipeline_stages=1, eval_strategy="no", **hub)
+        try:
+            NoLoCoTrainer(byte_config(), args, train_dataset=byte_corpus(64))
+        except ValueError as exc:
+            errors[token] = str(exc)
+    return errors
+
+
+def test_a_refused_token_stops_every_rank_before_training(tmp_path, monkeypatch):
+    """The Hub's verdict on the token, asked by one rank, is every rank's error, before any step."""
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    with FakeHub(token_roles={"hf_read_token_789": "read"}) as hub:
+        results = run_distributed(_hub_refusals, 2, str(tmp_path), hub.endpoint, timeout_s=120)
+    for errors in results:
+        assert "refused by the Hub (HTTP 401)" in errors["hf_unknown_token_456"]
+        assert "read-only" in errors["hf_read_token_789"]
+        assert not any("hf_" in message.replace("hf_noloco", "") for message in errors.values())
+    assert not hub.repos  # no repository was created for a token that cannot write
+    assert hub.paths.count("/api/whoami-v2") == 2  # one rank asked, once per attempt
 
 
 def _straight_then_resumed(out, tied):
@@ -142,8 +198,9 @@ def _straight_then_resumed(out, tied):
                 trainer.outer.outer_step_count,
             )
         )
-    args = make_args(out, max_steps=12, inner_steps=4, eval_strategy="no")  # even split: cannot resume 3/1
-    with pytest.raises(ValueError, match=r"layer_ranges=\[\[0, 3\], \[3, 4\]\]"):
+    # Another split resumes (tests/distributed/test_mesh_change.py); another outer optimizer does not.
+    args = make_args(out, max_steps=12, inner_steps=4, eval_strategy="no", outer_optimizer="diloco")
+    with pytest.raises(ValueError, match=r"saved with outer_optimizer=noloco, this run has diloco"):
         NoLoCoTrainer(byte_config(vocab_size=1024, tied=tied), args, train_dataset=data).train(
             resume_from_checkpoint=os.path.join(out, "checkpoint-6")
         )
@@ -337,7 +394,7 @@ def _bad_trainer_inputs(folder):
         trainer.train()
     except ValueError as exc:
         errors["old_run"] = str(exc)
-    # A checkpoint of a 2-stage x 2-replica run cannot resume on a 1-stage x 1-replica mesh.
+    # A checkpoint of a noloco run (on another mesh, which alone would be fine) cannot resume a local one.
     other = os.path.join(folder, "other", "checkpoint-4")
     os.makedirs(other)
     with open(os.path.join(other, "noloco_mesh.json"), "w") as f:
@@ -364,7 +421,7 @@ def test_bad_trainer_inputs_fail_before_training(tmp_path):
     assert "5 samples, fewer than one batch per replica" in errors["too_small"]
     assert "hub_model_id" in errors["push_without_repo"]
     assert "already holds checkpoints" in errors["old_run"]
-    assert "saved with pipeline_stages=2, this run has 1" in errors["other_mesh"]
+    assert "saved with outer_optimizer=noloco, this run has local" in errors["other_mesh"]
 
 
 @pytest.mark.parametrize(

@@ -176,6 +176,60 @@ def test_restarted_job_resumes_by_itself_and_ends_with_the_uninterrupted_weights
     assert_same_as_reference(reference, _results(out))
 
 
+# ------------------------------------------------------------------------------------------- SIGTERM
+
+
+def _preempted_step(text):
+    """The step every rank saved and stopped at (the same on every rank: each rank logs it)."""
+    steps = {int(n) for n in re.findall(r"SIGTERM: checkpoint-(\d+) written", text)}
+    assert len(steps) == 1, text[-5000:]
+    return steps.pop()
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_the_same_command_resumes_bit_identical(tmp_path, reference):
+    """As Slurm preempts a job: SIGTERM to torchrun, which forwards it to every worker. They agree on a step,
+    save it and exit 143 within the launcher's 30 s of grace; the same command line (resume 'auto') ends as
+    the uninterrupted run did, bit for bit."""
+    out = tmp_path / "run"
+    out.mkdir()
+    args = ["--standalone", "--nproc_per_node", str(WORLD)]
+    proc = torchrun(out, *args, timeout=300, RESUME="auto", FAULT="sigterm-agent:5:1")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-5000:]  # the job did not finish: a scheduler must not read success
+    [signalled] = re.findall(r"SIGTERM to pid \d+ at monotonic ([0-9.]+)", text)
+    step = _preempted_step(text)
+    assert 5 <= step < 8, text[-5000:]
+    assert text.count("fault_train: preempted after step") == WORLD
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
+        "checkpoint-4",
+        f"checkpoint-{step}",
+    ]
+    latency = [float(t) for t in re.findall(r"written ([0-9.]+) s after the signal", text)]
+    print(f"SIGTERM at monotonic {signalled}: checkpoint-{step} written {max(latency):.2f} s after it")
+    assert len(latency) == WORLD and max(latency) < 30, latency  # within torchrun's (and Slurm's) grace
+    assert not _results(out)  # no rank wrote final results: training stopped before max_steps
+    proc = torchrun(out, *args, timeout=300, RESUME="auto")  # the requeued job: the same command line
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-5000:]
+    assert f"resume_from_checkpoint=auto: resuming {out}/checkpoint-{step}." in text
+    assert_same_as_reference(reference, _results(out))
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, reference):
+    """A signal that reaches one worker only (no agent forwards it): the flag it raises stops the others
+    at the same step, every rank exits 143, and the resume ends as the uninterrupted run did."""
+    out = tmp_path / "run"
+    codes, _, logs, _ = launch(out, RESUME="auto", FAULT="sigterm-self:3:2")
+    assert codes == [143] * WORLD, (codes, [log[-2000:] for log in logs])
+    step = _preempted_step(logs[2])
+    assert step in (3, 4), logs[2][-3000:]  # raised during step 3: saved after step 3 or 4
+    for log in logs:
+        assert f"preempted after step {step}" in log, log[-3000:]
+    codes, _, logs, resumed = launch(out, RESUME="auto")
+    assert codes == [0] * WORLD, logs
+    assert_same_as_reference(reference, resumed)
+
+
 def test_torchrun_ends_the_whole_job_when_a_rank_is_killed(tmp_path):
     """What a user sees: the launcher's job ends non-zero and fast, the lost rank is named, nothing left."""
     out = tmp_path / "run"

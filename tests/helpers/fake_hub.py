@@ -9,13 +9,14 @@ from urllib.parse import unquote, urlparse
 
 
 class FakeHub:
-    """Answers the endpoints ``HfApi.create_repo`` / ``create_branch`` / ``upload_folder`` use for small
-    files: repo create, yaml validation, preupload (always "regular", so no LFS or Xet transfer) and the
-    ndjson commit.
-    Records what it received."""
+    """Answers the endpoints ``HfApi.whoami`` / ``create_repo`` / ``create_branch`` / ``upload_folder`` use
+    for small files: the token's identity, repo create, yaml validation, preupload (always "regular", so no
+    LFS or Xet transfer) and the ndjson commit. Records what it received."""
 
-    def __init__(self):
+    def __init__(self, token_roles: dict[str, str] | None = None):
         self.repos, self.branches, self.commits, self.auth_headers, self.paths = set(), set(), [], [], []
+        # whoami-v2 answers these tokens with their role ("write", "read"), any other with 401; None: any.
+        self.token_roles = token_roles
         hub_state = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -29,6 +30,21 @@ class FakeHub:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def do_GET(self):  # http.server's naming
+                hub_state.auth_headers.append(self.headers.get("Authorization"))
+                path = unquote(urlparse(self.path).path)
+                hub_state.paths.append(path)
+                if path == "/api/whoami-v2":
+                    token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+                    roles = hub_state.token_roles
+                    role = "write" if roles is None else roles.get(token)
+                    if role is None:
+                        return self._reply(401, {"error": "Invalid credentials in Authorization header"})
+                    return self._reply(
+                        200, {"type": "user", "name": "fake-user", "auth": {"accessToken": {"role": role}}}
+                    )
+                return self._reply(404, {"error": f"fake hub does not serve {path}"})
 
             def do_POST(self):  # http.server's naming
                 length = int(self.headers.get("Content-Length") or 0)

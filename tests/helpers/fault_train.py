@@ -7,6 +7,8 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), or call :func:`run` in a process whos
     kill-step   SIGKILL in the forward of the second microbatch of ``step``
     kill-outer  SIGKILL inside the outer sync after ``step``, as it starts the exchange with its partner
     kill-save   SIGKILL while writing this rank's shard of checkpoint-``step`` (model written, optimizer not)
+    sigterm-agent  SIGTERM to the launcher agent (the parent) in the second microbatch of ``step``
+    sigterm-self   SIGTERM to this rank only, at the same moment
     stop-log    SIGSTOP at the end of ``step``, before the step's logging collectives (a hung machine)
     nan-loss    the stage output of one microbatch of ``step`` becomes NaN (use on the last stage)
     nan-grad    one gradient entry becomes NaN after the backward of ``step``
@@ -162,6 +164,20 @@ def install_fault(trainer, rank: int) -> None:
             die()
 
         trainer.checkpointer._write_rank_state = half_save
+    elif kind in ("sigterm-agent", "sigterm-self"):  # at the start of `step`'s second microbatch
+
+        def hook(module, args):
+            if in_step():
+                forwards.append(1)
+                if len(forwards) == 2:
+                    target = os.getppid() if kind == "sigterm-agent" else os.getpid()
+                    print(
+                        f"fault_train: SIGTERM to pid {target} at monotonic {time.monotonic():.3f}",
+                        flush=True,
+                    )
+                    os.kill(target, signal.SIGTERM)
+
+        trainer.model.register_forward_pre_hook(hook)
     elif kind == "stop-log":
         trainer.add_callback(StopAtStepEnd(step))
     else:
@@ -207,6 +223,10 @@ def run(out: str) -> None:
     resume = os.environ.get("RESUME") or None
     try:
         trainer.train(resume_from_checkpoint=True if resume == "1" else resume)
+        if trainer.preemption.stopped:  # as hf-noloco-train does: no results, no export, status 143
+            print(f"fault_train: preempted after step {trainer.state.global_step}", flush=True)
+            trainer.end()
+            sys.exit(143)
         if os.environ.get("EXPORT") == "1":
             trainer.save_model(os.path.join(out, "export"))
     except ReplicaDropped as exc:  # on_replica_loss="continue": this column was dropped; leave quietly

@@ -55,8 +55,6 @@ _OTHER_VALUES = {
     "include_num_input_tokens_seen": "all",
     "save_only_model": True,
     "save_on_each_node": True,
-    "enable_jit_checkpoint": True,
-    "hub_always_push": True,
     "eval_accumulation_steps": 2,
     "eval_use_gather_object": True,
     "eval_do_concat_batches": False,
@@ -102,6 +100,7 @@ HONOURED = {
     "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
     "dataloader_multiprocessing_context", "dataloader_in_order", "remove_unused_columns", "push_to_hub",
     "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_revision", "load_best_model_at_end",
+    "hub_always_push", "enable_jit_checkpoint",
     # script-level flags that the Trainer itself never reads (transformers documents them so)
     "do_train", "do_eval",
 }  # fmt: skip
@@ -131,7 +130,10 @@ def test_an_option_the_trainer_would_ignore_is_refused_naming_it(tmp_path, name)
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"hub_strategy": "checkpoint"}, "hub_strategy='checkpoint' is not supported"),
+        (
+            {"hub_strategy": "sometimes"},
+            "hub_strategy must be one of end, every_save, checkpoint, all_checkpoints",
+        ),
         ({"accelerator_config": {"dispatch_batches": True}}, "accelerator_config dispatch_batches=True"),
         ({"model_init_kwargs": {"dtype": "float16"}}, "no loss scaling"),
         ({"model_init_kwargs": '{"revision": ""}'}, "model_revision must be"),
@@ -211,3 +213,23 @@ def test_node_routing_is_checked_against_the_launch(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     check_config(config)
     assert routing_group_size("node", None, 6, 2) == 2  # what __post_init__ resolves on this launch
+
+
+def test_more_processes_than_gpus_on_a_machine_is_refused_before_any_device_is_touched(tmp_path, monkeypatch):
+    """The 4-process CPU launch config on a machine with 2 GPUs: ranks 2 and 3 would have no device."""
+    import torch
+
+    config = NoLoCoConfig(output_dir=str(tmp_path), report_to="none", outer_optimizer="local")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    config.use_cpu = False
+    with pytest.raises(
+        ValueError, match="4 processes on this machine but 2 GPUs: launch at most 2 per machine"
+    ):
+        check_config(config)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_config(config)  # one GPU per process
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    config.use_cpu = True  # what the message proposes
+    check_config(config)
