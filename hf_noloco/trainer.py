@@ -316,7 +316,9 @@ class NoLoCoTrainer(Trainer):
         if requested is not True and not auto:
             self.checkpointer.check_mesh_first(requested)
         with self.mesh.patient(self.args.ddp_timeout):  # hashing a large checkpoint may take a while
-            found = checkpoint.resolve_resume(self.args.output_dir, True if auto else requested, self.mesh)
+            found = checkpoint.resolve_resume(
+                self.args.output_dir, True if auto else requested, self.mesh, self.model.all_layer_ranges
+            )
         if found is None and not restarted:  # a restart before any save starts over
             raise ValueError(f"resume_from_checkpoint=True: {self.args.output_dir} holds no checkpoint.")
         if restarted and self.mesh.rank == 0:
@@ -587,9 +589,8 @@ class NoLoCoTrainer(Trainer):
         self.close_watchers()
         super().end()
         if not self.replica_loss.may_tear_down_groups():
-            # Operations given up on when the replica was lost stay posted in gloo with threads waiting on
-            # them; destroying them at exit aborts the process ("terminate called without an active
-            # exception", status 134: a failed job to a scheduler). All is written: skip those destructors.
+            # Operations given up after the loss stay posted in gloo, threads waiting on them: destroyed at
+            # exit, they abort the process (status 134, a failed job to a scheduler). All is written: skip.
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

@@ -13,6 +13,10 @@ Layout of ``output_dir/checkpoint-N/``::
         checksums.json                this rank's files (its folder and its RNG state): size and SHA-256
     noloco_checksums.json             every file of the checkpoint, size and SHA-256 (written last, by rank 0)
 
+``optimizer.pt`` also records the names of its parameters (``"param_names"``), so that a resume onto another
+stage split finds each tensor's optimizer state by name (:mod:`hf_noloco.io.reshard` says which folders a rank
+of another mesh reads, :mod:`hf_noloco.io.regather` gathers them).
+
 Every rank writes into ``tmp-checkpoint-N/``; rank 0 renames it to ``checkpoint-N/`` only once every rank is
 done, so a crash during a save leaves the previous checkpoint the newest. Everything is read back with
 safetensors or ``torch.load(weights_only=True)``: no pickled code.
@@ -21,7 +25,8 @@ A folder that was renamed can still be damaged later (a full disk, a node dying 
 each rank hashes the files it wrote, rank 0 merges those records with its own files' into
 ``noloco_checksums.json``, and a resume checks every file it reads against that record before any rank trains
 (:func:`agreed_problems`): every rank reaches the same verdict. :func:`resolve_resume` takes the newest
-checkpoint that passes, naming each file that made it skip a newer one.
+checkpoint that passes, naming each file that made it skip a newer one. On another mesh a rank checks the
+files it reads of other ranks' folders (:func:`files_read`).
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_noloco.engine.comm import peer_call
 from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.io import reshard
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +58,17 @@ CHECKSUMS = "noloco_checksums.json"  # the completed checkpoint's record of all 
 RANK_CHECKSUMS = "checksums.json"  # one rank's record of its own files, in its folder
 SKIPPED_PREFIX = "skipped-"  # a damaged checkpoint moved aside by a resume (kept for inspection)
 _WEIGHTS, _OPTIMIZER, _PIPELINE = "model.safetensors", "optimizer.pt", "pipeline.pt"
+_FILES = {reshard.WEIGHTS: _WEIGHTS, reshard.OPTIMIZER: _OPTIMIZER, reshard.PIPELINE: _PIPELINE}
 # Files of the whole run that every resume reads (written by rank 0 with the Trainer's state).
 _SHARED_FILES = (MESH_FILE, "trainer_state.json")
 _HASH_CHUNK = 1 << 20
-# What a resume must share with the run that saved: anything else would load tensors into the wrong places.
-_MUST_MATCH = ("pipeline_stages", "num_replicas", "layer_ranges", "outer_optimizer", "adapter")
+# What a resume must share with the run that saved. The mesh (stages, split, replicas) may change
+# (io/reshard.py); another method's or adapter's state would be loaded into the wrong places, or be none.
+_MUST_MATCH = ("outer_optimizer", "adapter")
+_SAME_SETTING = {
+    "outer_optimizer": "its slow weights and momentum are that method's (start a new run to change it)",
+    "adapter": "its adapter tensors are those of that LoRA configuration",
+}
 
 
 def rank_folder(checkpoint: str, mesh: PipelineMesh) -> str:
@@ -186,27 +199,38 @@ def write_mesh_record(folder: str, record: dict) -> None:
         json.dump(record, f, indent=2)
 
 
-def check_mesh_record(checkpoint: str, record: dict) -> None:
-    """Refuses to resume ``checkpoint`` with another mesh, stage split or outer optimizer than it was saved
-    with."""
+def read_mesh_record(checkpoint: str) -> dict:
     with open(os.path.join(checkpoint, MESH_FILE)) as f:
-        saved = json.load(f)
-    if saved.get("live_replicas") is not None:
-        raise ValueError(
-            f"Cannot resume {checkpoint}: it was written after replicas were lost "
-            f"(on_replica_loss='continue'; "
-            f"live replicas {saved['live_replicas']} of {saved['num_replicas']}), and resuming such a "
-            "checkpoint is not supported yet. Resume from one written before the loss."
-        )
+        return json.load(f)
+
+
+def check_mesh_record(checkpoint: str, record: dict) -> dict:
+    """Refuses to resume ``checkpoint`` into a run that cannot continue it: another outer optimizer, another
+    adapter configuration, another model (another number of decoder layers, or another value of a model
+    setting the record keeps). Another mesh is not refused: :mod:`hf_noloco.io.reshard`. Returns the saved
+    record."""
+    saved = read_mesh_record(checkpoint)
     for key in _MUST_MATCH:
-        if saved.get(key) != json.loads(
-            json.dumps(record.get(key))
-        ):  # JSON has lists where the record has tuples
+        if saved.get(key) != json.loads(json.dumps(record.get(key))):  # JSON has lists where we have tuples
             raise ValueError(
-                f"Cannot resume {checkpoint}: it was saved with {key}={saved[key]}, this run has "
-                f"{record[key]}. "
-                "Resume with the same pipeline_stages, number of processes, stage split and outer_optimizer."
+                f"Cannot resume {checkpoint}: it was saved with {key}={saved.get(key)}, this run has "
+                f"{record.get(key)}, and {_SAME_SETTING[key]}. Resume with {key}={saved.get(key)} (the "
+                "mesh may change: pipeline_stages, stage split, number of processes)."
             )
+    saved_layers, layers = saved["layer_ranges"][-1][1], record["layer_ranges"][-1][1]
+    if saved_layers != layers:
+        raise ValueError(
+            f"Cannot resume {checkpoint}: it was saved from a model of {saved_layers} decoder layers, this "
+            f"run's has {layers}: another model."
+        )
+    mine = record.get("model") or {}
+    for key, value in (saved.get("model") or {}).items():
+        if key in mine and mine[key] != value:
+            raise ValueError(
+                f"Cannot resume {checkpoint}: it was saved from a model with {key}={value}, this run's has "
+                f"{mine[key]}: another model."
+            )
+    return saved
 
 
 def load_rank_state(
@@ -223,17 +247,56 @@ def load_rank_state(
                 f"Cannot resume {checkpoint}: its adapter tensors do not match this run's "
                 f"({sorted(set(weights) ^ expected)[:3]} differ)."
             )
-    if trainable_only:
-        stage.load_state_dict(weights, strict=False)
-    else:
-        missing, unexpected = stage.load_state_dict(weights, strict=False)
-        missing = sorted(set(missing) - _aliases(stage))
-        if unexpected or missing:
-            raise ValueError(
-                f"Cannot resume {checkpoint}: its weights do not match this stage's (missing {missing[:3]}, "
-                f"unexpected {sorted(unexpected)[:3]})."
-            )
+    _load_weights(checkpoint, stage, weights, trainable_only)
     return torch.load(os.path.join(rank_dir, _PIPELINE), weights_only=True)
+
+
+def _load_weights(checkpoint: str, stage: nn.Module, weights: dict, trainable_only: bool) -> None:
+    missing, unexpected = stage.load_state_dict(weights, strict=False)
+    if trainable_only:
+        return  # the frozen base is all that is missing; the names were checked
+    missing = sorted(set(missing) - _aliases(stage))
+    if unexpected or missing:
+        raise ValueError(
+            f"Cannot resume {checkpoint}: its weights do not match this stage's (missing {missing[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})."
+        )
+
+
+def load_weights_by_name(
+    checkpoint: str,
+    stage: nn.Module,
+    source: Callable[[str], tuple[int, int, str]],
+    trainable_only: bool = False,
+) -> None:
+    """Loads ``stage``'s tensors (with ``trainable_only``: its trainable ones) from the rank folders that hold
+    them: ``source(name)`` is ``(saved stage, saved replica, saved name)``. Only those tensors are read."""
+    if trainable_only:
+        names = [n for n, p in stage.named_parameters() if p.requires_grad]
+    else:
+        names = [n for n in stage.state_dict() if n not in _aliases(stage)]
+    wanted: dict[tuple[int, int], dict[str, str]] = {}
+    for name in names:
+        saved_stage, saved_replica, saved_name = source(name)
+        wanted.setdefault((saved_stage, saved_replica), {})[name] = saved_name
+    weights = {}
+    for (saved_stage, saved_replica), names_there in sorted(wanted.items()):
+        rel = plan_file(saved_stage, saved_replica, reshard.WEIGHTS)
+        with safe_open(os.path.join(checkpoint, rel), framework="pt") as f:
+            held = set(f.keys())
+            for name, saved_name in names_there.items():
+                if saved_name not in held:
+                    raise ValueError(
+                        f"Cannot resume {checkpoint}: {rel} holds no {saved_name} (this stage's {name})."
+                    )
+                weights[name] = f.get_tensor(saved_name)
+    _load_weights(checkpoint, stage, weights, trainable_only)
+
+
+def read_rank_file(checkpoint: str, stage: int, replica: int, kind: str) -> dict:
+    """A rank folder's optimizer or pipeline state (plain tensors and numbers, read with ``weights_only``)."""
+    path = os.path.join(checkpoint, plan_file(stage, replica, kind))
+    return torch.load(path, weights_only=True, map_location="cpu")
 
 
 def _aliases(stage: nn.Module) -> set[str]:
@@ -303,39 +366,64 @@ def write_checksums(checkpoint: str, rank_dirs: Iterable[str]) -> None:
     _write_json_atomically(os.path.join(checkpoint, CHECKSUMS), {"files": files})
 
 
-def files_to_verify(checkpoint: str, mesh: PipelineMesh, listed: Iterable[str]) -> list[str]:
-    """The files of ``listed`` that this rank checks: its own folder and everything beside the rank folders
-    (small: the run's state and the RNG states). Every file is thus checked by at least one rank."""
+def plan_file(stage: int, replica: int, kind: str) -> str:
+    """The path, relative to the checkpoint, of a rank folder's file of ``kind`` (a kind of
+    :mod:`~hf_noloco.io.reshard`)."""
+    return os.path.join(f"stage-{stage}-replica-{replica}", _FILES[kind])
+
+
+def files_read(checkpoint: str, mesh: PipelineMesh, layer_ranges=None) -> list[str]:
+    """The files of the rank folders that this rank reads from ``checkpoint`` (paths relative to it): its own
+    folder's on the mesh that wrote it, otherwise those :func:`~hf_noloco.io.reshard.read_plan` names.
+    ``layer_ranges``: this run's stage split. Without it (a caller that knows only the mesh) the rank names,
+    for the saved replica it takes, the saved stage of its own index when the number of stages is the same,
+    else every saved stage: a rank may then read a stage another rank names instead, but the verdicts are
+    shared (:func:`agreed_problems`) and together name every file any rank reads. Reads the mesh record."""
+    return _reads(reshard.SavedMesh.of(read_mesh_record(checkpoint)), mesh, layer_ranges)[0]
+
+
+def _reads(saved: reshard.SavedMesh, mesh: PipelineMesh, layer_ranges) -> tuple[list[str], bool]:
+    """:func:`files_read`, and whether the mesh is the one that wrote the checkpoint."""
+    if saved.same_as(mesh.num_stages, mesh.num_replicas, layer_ranges):
+        return [plan_file(mesh.stage, mesh.replica, kind) for kind in _FILES], True
+    plan = reshard.read_plan(
+        saved, mesh.stage, mesh.replica, mesh.num_stages, mesh.num_replicas, layer_ranges
+    )
+    return [plan_file(*f) for f in plan.files()], False
+
+
+def files_to_verify(
+    checkpoint: str, mesh: PipelineMesh, listed: Iterable[str], layer_ranges=None
+) -> list[str]:
+    """The files of ``listed`` that this rank checks: everything beside the rank folders (small: the run's
+    state and the RNG states) and the rank folders' files it reads (:func:`files_read`): on the mesh that
+    wrote the checkpoint, its own folder, so that every file is checked by at least one rank."""
+    reads, same = _reads(reshard.SavedMesh.of(read_mesh_record(checkpoint)), mesh, layer_ranges)
     own = os.path.relpath(rank_folder(checkpoint, mesh), checkpoint) + os.sep
-    return [n for n in listed if n.startswith(own) or os.sep not in n]
+    return [n for n in listed if (n.startswith(own) if same else n in reads) or os.sep not in n]
 
 
-def verify_rank_files(checkpoint: str, mesh: PipelineMesh) -> str | None:
-    """What is wrong with the files this rank would read from ``checkpoint``, or ``None`` when they all match
-    the checkpoint's record. The answer names the file: ``checkpoint-8/stage-1-replica-1/model.safetensors:
-    1024 bytes, the checksum record says 5120 (truncated)``."""
+def _listed_files(checkpoint: str) -> tuple[dict | None, str | None]:
+    """``(the checksum record's files, None)``, or ``(None, what is wrong with the record)``."""
     name = os.path.basename(os.path.normpath(checkpoint))
     record_path = os.path.join(checkpoint, CHECKSUMS)
     if not os.path.isfile(record_path):
-        return f"{name}/{CHECKSUMS} is missing (the checkpoint was written without checksums)"
+        return None, f"{name}/{CHECKSUMS} is missing (the checkpoint was written without checksums)"
     try:
         with open(record_path) as f:
             listed = json.load(f)["files"]
         if not isinstance(listed, dict):
             raise TypeError(type(listed).__name__)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        return f"{name}/{CHECKSUMS} is unreadable ({type(exc).__name__}: {exc})"
-    for rel in _SHARED_FILES:
+        return None, f"{name}/{CHECKSUMS} is unreadable ({type(exc).__name__}: {exc})"
+    return listed, None
+
+
+def _check_files(checkpoint: str, listed: dict, names: Iterable[str], reader: str) -> str | None:
+    name = os.path.basename(os.path.normpath(checkpoint))
+    for rel in names:
         if rel not in listed:
-            return f"{name}/{rel} is not in {CHECKSUMS} (the checkpoint is incomplete)"
-    own = os.path.relpath(rank_folder(checkpoint, mesh), checkpoint)
-    for rel in (os.path.join(own, n) for n in (_WEIGHTS, _OPTIMIZER, _PIPELINE)):
-        if rel not in listed:
-            return (
-                f"{name} holds no {rel} ({mesh.describe()}): it was saved by a run with another number of "
-                "processes or pipeline_stages, or is incomplete"
-            )
-    for rel in files_to_verify(checkpoint, mesh, sorted(listed)):
+            return f"{name} holds no {rel}, which {reader} reads: the checkpoint is incomplete"
         path, expected = os.path.join(checkpoint, rel), listed[rel]
         if not os.path.isfile(path):
             return f"{name}/{rel} is missing"
@@ -348,18 +436,46 @@ def verify_rank_files(checkpoint: str, mesh: PipelineMesh) -> str | None:
     return None
 
 
-def agreed_problems(checkpoint: str, mesh: PipelineMesh) -> list[str]:
+def verify_rank_files(checkpoint: str, mesh: PipelineMesh, layer_ranges=None) -> str | None:
+    """What is wrong with the files this rank would read from ``checkpoint``, or ``None`` when they all match
+    the checkpoint's record. The answer names the file: ``checkpoint-8/stage-1-replica-1/model.safetensors:
+    1024 bytes, the checksum record says 5120 (truncated)``. On another mesh the rank checks the files it
+    reads of other ranks' folders (``layer_ranges``: this run's split, see :func:`files_read`)."""
+    name = os.path.basename(os.path.normpath(checkpoint))
+    listed, problem = _listed_files(checkpoint)
+    if problem:
+        return problem
+    for rel in _SHARED_FILES:
+        if rel not in listed:
+            return f"{name}/{rel} is not in {CHECKSUMS} (the checkpoint is incomplete)"
+    # The run's files first: the mesh record among them says which rank folders this rank reads.
+    problem = _check_files(
+        checkpoint, listed, [n for n in sorted(listed) if os.sep not in n], mesh.describe()
+    )
+    if problem:
+        return problem
+    try:
+        reads = files_read(checkpoint, mesh, layer_ranges)
+        checked = files_to_verify(checkpoint, mesh, sorted(listed), layer_ranges)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"{name}/{MESH_FILE} cannot be read ({type(exc).__name__}: {exc})"
+    missing = [rel for rel in reads if rel not in listed]
+    return _check_files(checkpoint, listed, missing + [n for n in checked if os.sep in n], mesh.describe())
+
+
+def agreed_problems(checkpoint: str, mesh: PipelineMesh, layer_ranges=None) -> list[str]:
     """Every rank's verdict on ``checkpoint`` (:func:`verify_rank_files`), the same list on every rank.
     Collective: every rank calls it, so no rank can start training from a checkpoint another refuses."""
-    mine = verify_rank_files(checkpoint, mesh)
+    mine = verify_rank_files(checkpoint, mesh, layer_ranges)
     verdicts: list = [None] * dist.get_world_size()
     with peer_call("the checkpoint's barrier and verdicts"):
         dist.all_gather_object(verdicts, mine)
     return list(dict.fromkeys(v for v in verdicts if v))  # in rank order, each problem once
 
 
-def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh) -> str | None:
-    """The checkpoint to resume, verified on every rank; collective.
+def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh, layer_ranges=None) -> str | None:
+    """The checkpoint to resume, verified on every rank; collective. ``layer_ranges``: this run's stage split,
+    which tells each rank the files it reads of a checkpoint of another mesh (:func:`files_read`).
 
     ``requested`` is a checkpoint folder (an error naming the damaged file if it does not verify) or
     ``True``: the newest completed checkpoint in ``run_dir`` that verifies. Newer ones that do not are logged,
@@ -368,7 +484,7 @@ def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh) -> s
     holds no completed checkpoint; raises when it holds only damaged ones.
     """
     if requested is not True:
-        problems = agreed_problems(requested, mesh)
+        problems = agreed_problems(requested, mesh, layer_ranges)
         if problems:
             raise ValueError(f"Cannot resume {requested}: " + "; ".join(problems))
         return requested
@@ -380,7 +496,7 @@ def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh) -> s
     candidates = box[0]
     skipped = []
     for candidate in candidates:
-        problems = agreed_problems(candidate, mesh)
+        problems = agreed_problems(candidate, mesh, layer_ranges)
         if not problems:
             for folder, reasons in skipped:
                 logger.warning("Skipping %s: %s.", folder, "; ".join(reasons))

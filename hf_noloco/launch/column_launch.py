@@ -7,10 +7,16 @@ run through a store that no worker hosts::
 
     # column 0, on the machine that also hosts the store (it serves until every worker of the run is gone)
     python -m hf_noloco.column_launch --store HOST:29400 --host-store --column 0 --columns 4 --stages 2 \\
-        recipes/train.py recipes/pretrain_scratch/config_noloco.yaml --on_replica_loss continue
+        recipes/train.py recipes/llama-tiny/noloco.yaml --on_replica_loss continue
     # columns 1, 2, 3, anywhere that reaches HOST
     python -m hf_noloco.column_launch --store HOST:29400 --column 1 --columns 4 --stages 2 \\
-        recipes/train.py recipes/pretrain_scratch/config_noloco.yaml --on_replica_loss continue
+        recipes/train.py recipes/llama-tiny/noloco.yaml --on_replica_loss continue
+
+The store's host is the one process the run cannot lose: when it goes, every column stops at its next step
+with an error naming the store. ``--store-only`` hosts it on a machine of its own (no worker, no GPU), and
+then every column, column 0 included, is an ordinary one that the run can lose::
+
+    python -m hf_noloco.column_launch --store HOST:29400 --store-only --columns 4 --stages 2
 
 Each process gets what torchrun would give it (``RANK = column * stages + stage``, ``WORLD_SIZE = columns *
 stages``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` = the store) and joins the store as a client
@@ -42,11 +48,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Host the store here (once per run); the launcher then serves it until no worker of the run "
         "has beaten its heartbeat for --linger seconds.",
     )
+    parser.add_argument(
+        "--store-only",
+        action="store_true",
+        help="Host the store and start no worker: a store outside every column, so that the run survives "
+        "the loss of any column (the store is then the one process the run cannot lose). It serves until "
+        "the run's workers have started and then stopped beating their heartbeats for --linger seconds.",
+    )
     parser.add_argument("--linger", type=float, default=10.0, help="See --host-store (seconds).")
-    parser.add_argument("--column", type=int, required=True, help="This replica column, in [0, --columns).")
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=3600.0,
+        help="With --store-only: seconds to wait for the first worker's heartbeat before giving up.",
+    )
+    parser.add_argument("--column", type=int, help="This replica column, in [0, --columns).")
     parser.add_argument("--columns", type=int, required=True, help="Replica columns in the run (dp).")
     parser.add_argument("--stages", type=int, required=True, help="Processes per column (pipeline_stages).")
-    parser.add_argument("script", help="The training script (e.g. recipes/train.py), or -m for a module.")
+    parser.add_argument(
+        "script", nargs="?", help="The training script (e.g. recipes/train.py), or -m for a module."
+    )
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Its arguments.")
     args = parser.parse_args(argv)
     host, _, port = args.store.rpartition(":")
@@ -55,7 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.host, args.port = host, int(port)
     if args.columns < 1 or args.stages < 1:
         parser.error("--columns and --stages must be positive.")
-    if not 0 <= args.column < args.columns:
+    if args.store_only:
+        if args.host_store or args.column is not None or args.script is not None:
+            parser.error("--store-only starts no worker: give no --host-store, --column or script.")
+        return args
+    if args.script is None:
+        parser.error("the training script is required (or --store-only).")
+    if args.column is None or not 0 <= args.column < args.columns:
         parser.error(f"--column must be in [0, {args.columns}), got {args.column}.")
     return args
 
@@ -84,21 +111,35 @@ def host_store(port: int):
     return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
 
 
-def serve_until_idle(store, world_size: int, linger: float) -> None:
-    """Keeps the store up while any worker of the run still beats its heartbeat (comm.PeerWatch)."""
+def serve_until_idle(store, world_size: int, linger: float, start_timeout: float | None = None) -> bool:
+    """Keeps the store up while any worker of the run still beats its heartbeat (comm.PeerWatch).
+    ``start_timeout``: first wait that long for a first heartbeat (a store started before its workers);
+    returns False when none came."""
     keys = [f"hf_noloco/0/beat/{rank}" for rank in range(world_size)]
+    started = time.monotonic()
+    while start_timeout is not None and not any(store.add(key, 0) for key in keys):
+        if time.monotonic() - started > start_timeout:
+            return False
+        time.sleep(0.5)
     last, changed = None, time.monotonic()
     while True:
         beats = [store.add(key, 0) for key in keys]
         if beats != last:
             last, changed = beats, time.monotonic()
         elif time.monotonic() - changed > linger:  # (none ever beat: the run failed before training)
-            return
+            return True
         time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.store_only:
+        store = host_store(args.port)
+        print(f"column_launch: serving the run's store on port {args.port}", flush=True)
+        if not serve_until_idle(store, args.columns * args.stages, args.linger, args.start_timeout):
+            print(f"column_launch: no worker beat within {args.start_timeout:g} s", file=sys.stderr)
+            return 1
+        return 0
     command = [sys.executable, args.script, *args.script_args]
     if args.script == "-m":
         command = [sys.executable, "-m", *args.script_args]

@@ -26,11 +26,14 @@ The pure part, :func:`live_after_loss`, is tested in one process; :class:`Member
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable
+
+import torch.distributed as dist
 
 from hf_noloco.engine.comm import ViewChange, interrupt_waits_on
 from hf_noloco.resilience.watch import PeerWatch
@@ -56,6 +59,33 @@ def silence_limit(p2p_timeout: float) -> float:
 
 class ReplicaDropped(RuntimeError):
     """This process's replica column is no longer part of the run: it must leave without communicating."""
+
+
+class StoreLost(RuntimeError):
+    """The store the live ranks agree through is gone: no view can be agreed any more, so the run ends.
+    Not a lost peer (:func:`~hf_noloco.engine.comm.is_lost_peer`): no policy tolerates it."""
+
+
+def _store_address(store) -> str:
+    base = getattr(store, "_underlying_non_prefix_store", store)
+    host, port = getattr(base, "host", None), getattr(base, "port", None)
+    return f"{host}:{port}" if host is not None else "the rendezvous store"
+
+
+@contextlib.contextmanager
+def _through_store(store, rank: int):
+    """Store failures become :class:`StoreLost`, naming the store (its host is a single point of failure:
+    a column's launcher with ``--host-store``, or ``--store-only`` on a machine of its own)."""
+    try:
+        yield
+    except dist.DistError as exc:
+        raise StoreLost(
+            f"rank {rank}: the run's store at {_store_address(store)} is unreachable "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). With on_replica_loss='continue' the "
+            "live ranks agree through it, so every column stops here. Host the store on a machine of its own "
+            "(`python -m hf_noloco.column_launch --store HOST:PORT --store-only ...`) and the run survives "
+            "the loss of any column; resume from the newest checkpoint."
+        ) from None
 
 
 def live_after_loss(live: list[int], lost_ranks: list[int], num_stages: int) -> list[int]:
@@ -173,6 +203,10 @@ class Membership:
         """Called by a live rank whose communication failed during ``step``: unless a newer view is already
         proposed, finds the ranks whose heartbeat stopped (a killed rank's stops at once: watch a few beats)
         and proposes a view without their columns. The rank is offline afterwards."""
+        with _through_store(self.store, self.rank):
+            self._failed(exc, step)
+
+    def _failed(self, exc: BaseException, step: int) -> None:
         if isinstance(exc, ViewChange) or self._proposal(self.view + 1) is not None:
             self.interrupted.set()
             return
@@ -194,19 +228,22 @@ class Membership:
 
     def fence(self) -> None:
         """A barrier among the live ranks through the store; a pending view takes effect here. Raises
-        :class:`ReplicaDropped` on a rank whose column is no longer live."""
-        while True:
-            if self.interrupted.is_set():
-                self._adopt_next_view()
-            if self._meet():
-                return
+        :class:`ReplicaDropped` on a rank whose column is no longer live, :class:`StoreLost` when the store
+        is gone."""
+        with _through_store(self.store, self.rank):
+            while True:
+                if self.interrupted.is_set():
+                    self._adopt_next_view()
+                if self._meet():
+                    return
 
     def barrier(self) -> None:
         """A barrier among the live ranks that does not adopt a pending view but raises
         :class:`~hf_noloco.engine.comm.ViewChange`: what was begun under one view (a checkpoint) cannot be
         finished under the next."""
-        if self.interrupted.is_set() or not self._meet():
-            raise ViewChange(f"rank {self.rank}: the live replicas are changing")
+        with _through_store(self.store, self.rank):
+            if self.interrupted.is_set() or not self._meet():
+                raise ViewChange(f"rank {self.rank}: the live replicas are changing")
 
     def _meet(self) -> bool:
         """The next barrier of this view; False when a newer view interrupts it."""

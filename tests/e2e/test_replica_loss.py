@@ -9,6 +9,7 @@ leaves with status 0.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -181,63 +182,75 @@ def test_frozen_rank_is_dropped_after_p2p_timeout(tmp_path, uninterrupted):
     assert time.monotonic() - started < 120
 
 
-def test_column_launches_survive_a_killed_worker(tmp_path):
-    """The documented launch: three `python -m hf_noloco.column_launch` (column 0 hosts the store). A worker
-    of column 2 is killed: that launch fails, the two others end with status 0 and the export is written."""
+def test_column_launches_around_a_store_of_its_own_survive_losing_column_0(tmp_path):
+    """The documented launch: `python -m hf_noloco.column_launch --store-only` hosts the store, and three
+    column launches join it. A worker of column 0 (rank 0's column) is killed: that launch fails, the two
+    others end with status 0, the export is written by the first live column, and the store stops by itself
+    once the workers are gone."""
     out = tmp_path / "run"
     out.mkdir()
     port = free_port()
+    victim, mate = 1, 0  # column 0: stage 1 is lost, stage 0 (rank 0) must leave
     env = dict(
         os.environ,
         **{k: v for k, v in CONTINUE.items() if k != "TORCHELASTIC_USE_AGENT_STORE"},
-        FAULT=f"kill-step:5:{VICTIM}",
+        FAULT=f"kill-step:5:{victim}",
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
-    launches = []
-    columns = 3  # the victim's column (2) and two that survive it, one of them hosting the store
+    columns = 3  # the victim's column (0) and two that survive it
+    store = ["--store", f"127.0.0.1:{port}", "--columns", str(columns), "--stages", str(STAGES)]
+    commands = {
+        "store": [sys.executable, "-m", "hf_noloco.column_launch", *store, "--store-only", "--linger", "3"]
+    }
     for column in range(columns):
-        command = [sys.executable, "-m", "hf_noloco.column_launch", "--store", f"127.0.0.1:{port}"]
-        command += ["--host-store", "--linger", "3"] if column == 0 else []
-        command += ["--column", str(column), "--columns", str(columns), "--stages", str(STAGES)]
-        log = open(out / f"launch-{column}.txt", "w")  # noqa: SIM115 - closed below
-        launches.append(
-            (
-                subprocess.Popen(
-                    [*command, FAULT_TRAIN, str(out)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=tmp_path,
-                ),
-                log,
-            )
+        commands[f"launch-{column}"] = [sys.executable, "-m", "hf_noloco.column_launch", *store]
+        commands[f"launch-{column}"] += ["--column", str(column), FAULT_TRAIN, str(out)]
+    launches = {}
+    for name, command in commands.items():
+        log = open(out / f"{name}.txt", "w")  # noqa: SIM115 - closed below
+        launches[name] = (
+            subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path),
+            log,
         )
-    codes = []
-    for proc, log in launches:
+    codes = {}
+    for name, (proc, log) in launches.items():
         try:
-            codes.append(proc.wait(timeout=240))
+            codes[name] = proc.wait(timeout=240)
         finally:
             log.close()
             if proc.poll() is None:
                 proc.kill()
-    texts = [(out / f"launch-{c}.txt").read_text(errors="replace") for c in range(len(launches))]
-    assert VICTIM // STAGES == 2 and codes == [0, 0, 128 + signal.SIGKILL], [t[-3000:] for t in texts]
+    texts = {name: (out / f"{name}.txt").read_text(errors="replace")[-3000:] for name in launches}
+    assert codes == {"store": 0, "launch-0": 128 + signal.SIGKILL, "launch-1": 0, "launch-2": 0}, texts
     assert (out / "export" / "model.safetensors").exists()
-    assert os.path.exists(out / f"dropped-rank{MATE}")
+    assert os.path.exists(out / f"dropped-rank{mate}")
 
 
-def test_a_checkpoint_written_after_a_loss_is_refused_for_resume(tmp_path):
+def test_a_lost_store_ends_every_rank_within_p2p_timeout_naming_it(tmp_path):
+    """The store is the one process a "continue" run cannot lose: killed mid-step, every rank stops at its
+    next fence with an error naming it (exit 1, no hang)."""
+    out = tmp_path / "run"
+    env = dict(CONTINUE, FAULT="kill-store:5:0")
+    codes, times, logs, _ = launch(out, timeout=120, world=4, **env)
+    assert codes == [1] * 4, (codes, [log[-2000:] for log in logs])
+    [killed_at] = re.findall(r"SIGKILL to the store at monotonic ([0-9.]+)", logs[0]) or [logs[0][-3000:]]
+    for log, ended in zip(logs, times):
+        assert re.search(r"the run's store at 127\.0\.0\.1:\d+ is unreachable", log), log[-3000:]
+        assert ended - float(killed_at) < float(CONTINUE["P2P_TIMEOUT"]) + 30  # noticed at once, then exit
+
+
+def test_a_checkpoint_written_after_a_loss_is_accepted_for_resume(tmp_path):
+    """Its record names the live replicas (a resume reshards onto them or the full mesh:
+    tests/distributed/test_mesh_change.py); another outer method is still refused."""
     from hf_noloco.io.checkpoint import MESH_FILE, check_mesh_record
 
     record = {"pipeline_stages": 2, "num_replicas": 4, "layer_ranges": [[0, 2], [2, 4]]}
     record["outer_optimizer"] = "noloco"
     (tmp_path / MESH_FILE).write_text(json.dumps(dict(record, adapter=None, live_replicas=[0, 1, 3])))
-    lost = r"written after replicas were lost .* live replicas \[0, 1, 3\] of 4"
-    with pytest.raises(ValueError, match=lost):
-        check_mesh_record(str(tmp_path), dict(record, adapter=None))
-    (tmp_path / MESH_FILE).write_text(json.dumps(dict(record, adapter=None)))
-    check_mesh_record(str(tmp_path), dict(record, adapter=None))  # the same mesh, no loss: accepted
+    assert check_mesh_record(str(tmp_path), dict(record, adapter=None))["live_replicas"] == [0, 1, 3]
+    with pytest.raises(ValueError, match="saved with outer_optimizer=noloco, this run has local"):
+        check_mesh_record(str(tmp_path), dict(record, adapter=None, outer_optimizer="local"))
 
 
 class _Watch:

@@ -107,8 +107,10 @@ def store_process():
     host = subprocess.Popen([sys.executable, "-c", _HOST_STORE, str(port)], stdout=subprocess.PIPE, text=True)
     try:
         assert host.stdout.readline().strip() == "ready"
+        os.environ["STORE_PID"] = str(host.pid)  # the ranks forked meanwhile inherit it (FAULT=kill-store)
         yield port
     finally:
+        os.environ.pop("STORE_PID", None)
         host.kill()
         host.wait()
 

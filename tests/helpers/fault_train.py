@@ -9,6 +9,7 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), or call :func:`run` in a process whos
     kill-save   SIGKILL while writing this rank's shard of checkpoint-``step`` (model written, optimizer not)
     sigterm-agent  SIGTERM to the launcher agent (the parent) in the second microbatch of ``step``
     sigterm-self   SIGTERM to this rank only, at the same moment
+    kill-store  SIGKILL to the process hosting the run's store (``STORE_PID``) in ``step``'s first forward
     stop-log    SIGSTOP at the end of ``step``, before the step's logging collectives (a hung machine)
     nan-loss    the stage output of one microbatch of ``step`` becomes NaN (use on the last stage)
     nan-grad    one gradient entry becomes NaN after the backward of ``step``
@@ -176,6 +177,15 @@ def install_fault(trainer, rank: int) -> None:
                         flush=True,
                     )
                     os.kill(target, signal.SIGTERM)
+
+        trainer.model.register_forward_pre_hook(hook)
+    elif kind == "kill-store":  # the process hosting the run's store (fault_runs.store_process), mid-step
+
+        def hook(module, args):
+            if in_step() and not forwards:
+                forwards.append(1)
+                print(f"fault_train: SIGKILL to the store at monotonic {time.monotonic():.3f}", flush=True)
+                os.kill(int(os.environ["STORE_PID"]), signal.SIGKILL)
 
         trainer.model.register_forward_pre_hook(hook)
     elif kind == "stop-log":
