@@ -156,11 +156,12 @@ RESTARTING_LAUNCHERS = {
 }
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+# torchrun's restarts (c10d rendezvous, two nodes) are tests/e2e/test_multinode.py's.
+@pytest.mark.parametrize("launcher", ["accelerate"])
 def test_restarted_job_resumes_by_itself_and_ends_with_the_uninterrupted_weights(
     tmp_path, reference, launcher
 ):
-    """Rank 1 killed at step 6 under --max-restarts 1: the agent restarts every worker, which resume from
+    """Rank 1 killed at step 6 under --max_restarts 1: the agent restarts every worker, which resume from
     checkpoint-4 (no resume option given) and finish as the uninterrupted run did."""
     out = tmp_path / "run"
     out.mkdir()
