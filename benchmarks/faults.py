@@ -29,6 +29,7 @@ perplexity (three replicas train the last steps, so it need not equal the uninte
 
     python benchmarks/faults.py           # 96 steps, checkpoints every 32, rank 5 killed at step 56 (~10 min)
     python benchmarks/faults.py --quick   # 16 steps (~4 min): checks the machinery
+    python benchmarks/faults.py --exit-statuses 10   # the killed-worker column launch 10 times: statuses
 
 Writes benchmarks/results/faults.json (faults_quick.json with --quick). The model, corpus and optimizer
 settings are the convergence study's (benchmarks/studies/factorial.yaml, arm noloco-H8-a0.3).
@@ -324,16 +325,63 @@ def summarize(plain: dict, faulty: dict, tokens_per_step: int) -> dict:
     }
 
 
+def exit_statuses(repeats: int) -> None:
+    """The per-column launch with a killed worker, ``repeats`` times in a row: every launch's exit status.
+    A survivor's launch that exits non-zero (e.g. 134, an abort at interpreter exit) reads as a failed job to
+    any scheduler."""
+    plan_settings = {"max_steps": 16, "save_steps": 8, "kill": 6, "victim": 5}
+    statuses = []
+    with tempfile.TemporaryDirectory() as work:
+        train, eval_, _ = load_corpus(BUILTIN, BLOCK, MODEL["vocab_size"], EVAL_BLOCKS)
+        train.save_to_disk(os.path.join(work, "train"))
+        eval_.save_to_disk(os.path.join(work, "eval"))
+        plan = dict(plan_settings, train=os.path.join(work, "train"), eval=os.path.join(work, "eval"))
+        for repeat in range(repeats):
+            record = run_columns_job(dict(plan, fault=True), work, f"continue-{repeat}")
+            statuses.append(record["launch_exit_codes"])
+            print(f"run {repeat + 1}/{repeats}: launch exit statuses {statuses[-1]}", flush=True)
+    victim_column = plan_settings["victim"] // PP
+    survivors = [codes[c] for codes in statuses for c in range(DP) if c != victim_column]
+    result = {
+        "benchmark": "faults-exit-statuses",
+        "settings": plan_settings,
+        "launch": "python -m hf_noloco.column_launch --column C --columns 4 --stages 2 (x4, column 0 hosts)",
+        "statuses": statuses,
+        "victim_column_statuses": [codes[victim_column] for codes in statuses],
+        "survivor_launches": len(survivors),
+        "survivor_launches_nonzero": sum(code != 0 for code in survivors),
+        "machine": machine(),
+    }
+    print(
+        f"{result['survivor_launches_nonzero']} of {len(survivors)} survivor launches exited non-zero; the "
+        f"victim's column: {result['victim_column_statuses']}"
+    )
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, "faults_exit_statuses.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 steps: checks the machinery")
     parser.add_argument("--repeats", type=int, default=1, help="pairs of jobs (uninterrupted, faulty)")
     parser.add_argument("--kill-step", type=int, help="the step at whose start the victim dies")
     parser.add_argument("--victim", type=int, help="the rank killed (rank = replica * 2 + stage)")
+    parser.add_argument(
+        "--exit-statuses",
+        type=int,
+        metavar="N",
+        help="only run N 'continue' jobs with the kill (16 steps, rank 5 killed at step 6, checkpoints at 8 "
+        "and 16, after the loss) and record every launch's exit status: survivors' launches must all exit 0",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.worker:
         return worker(cli.worker)
+    if cli.exit_statuses:
+        return exit_statuses(cli.exit_statuses)
     settings = dict(SETTINGS["quick" if cli.quick else "full"])
     if cli.kill_step:
         settings["kill_step"] = cli.kill_step
