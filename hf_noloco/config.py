@@ -97,8 +97,18 @@ class NoLoCoConfig(TrainingArguments):
             compute, which for a refused model is another function than the checkpoint's.
         pipeline_schedule (`str`, *optional*, defaults to `"1f1b"`):
             Order of forwards and backwards within a step: `"1f1b"` (a stage holds the activations of at most
-            `pipeline_stages - stage` microbatches) or `"gpipe"` (all forwards, then all backwards; holds
-            every microbatch). Both give the same gradients.
+            `pipeline_stages - stage` microbatches), `"gpipe"` (all forwards, then all backwards; holds every
+            microbatch) or `"zb-h1"` (ZB-H1: 1F1B's order with each backward split into the input gradient,
+            sent upstream at once, and the weight gradients, deferred into the pipeline's idle slots; the
+            first stage holds what it holds under 1F1B and every later stage at most as many microbatches,
+            `pipeline_stages`, so the peak over the stages is 1F1B's while the later stages hold more than
+            under 1F1B). All three give the same gradients, zb-h1 and 1f1b bit for bit. Measured on CPU with
+            gloo (`benchmarks/RESULTS.md`), zb-h1 shortens the stages' waits (2 stages, 2 microbatches: the
+            first stage waits 0.24 of the step instead of 0.39) for 3 to 8 percent more CPU time (the weight
+            gradients take several autograd calls); on a 2-core machine shared with other programs it was not
+            measurably faster than 1f1b (tokens/s ratios 0.94-1.09, each within noise), so 1f1b stays the
+            default; whether it pays where every stage has a core or a GPU of its own is not measured. Under
+            activation checkpointing zb-h1 runs each whole backward at B time, which is 1f1b's computation.
         p2p_timeout (`float`, *optional*, defaults to `300`):
             Seconds to wait for a peer's message before failing with an error that names it. It also bounds
             every collective of the training loop (the trainer sets its process groups' timeout to it), so a
@@ -120,7 +130,8 @@ class NoLoCoConfig(TrainingArguments):
             seconds (frozen, cut off). The step during which the loss happened is skipped by the survivors
             that had not finished it; the lost column's data shard is skipped for the rest of the run;
             routing pairs and gossip groups are drawn among the live replicas; checkpoints, metrics and the
-            export cover the live replicas. A checkpoint written after a loss cannot be resumed yet.
+            export cover the live replicas. A checkpoint written after a loss resumes onto the live
+            replicas or the full mesh (`docs/fault-tolerance.md`).
 
         > Routing
 
@@ -159,8 +170,18 @@ class NoLoCoConfig(TrainingArguments):
         gossip_group_size (`int`, *optional*, defaults to `2`):
             n, replicas averaged together at a noloco outer step (at most the number of replicas).
         outer_dtype (`str`, *optional*, defaults to `"float32"`):
-            Precision of the weights sent in an outer step: `"float32"` or `"bfloat16"` (half the bytes). The
-            outer state itself (slow weights, momentum) always stays float32.
+            What an outer step sends, per parameter and quantity sent: `"float32"` (4 bytes, exact),
+            `"bfloat16"` (2 bytes, a cast), or a block-scaled format with error feedback (blocks of 64 values,
+            one float32 scale each, counted): `"int8"` and `"float8_e4m3"` (1.0625 bytes), `"int4"` (0.5625
+            bytes, two values per byte). noloco with gamma == beta sends the fast weights, with gamma != beta
+            the local progress (theta - phi) and the slow weights; diloco's compressed pseudo-gradients are
+            all-gathered and summed after decoding (fewer bytes than a float32 all-reduce below 8 replicas
+            for the 8-bit formats, below 14 for int4). Use float32 when bandwidth is not the bottleneck, the
+            smaller formats when the outer exchange is. Their cost in model quality is measured only in
+            miniature (docs/compressed-gossip.md: none visible on a 0.6M-parameter Llama over 304 steps, a
+            higher loss floor for int4 on a least-squares test) and unmeasured at scale. The outer state
+            (slow weights, momentum) stays float32; the compressed formats add float32 error-feedback buffers
+            (4 bytes per parameter and quantity sent), saved in checkpoints.
         offload_outer_state (`bool`, *optional*, defaults to `False`):
             Keep slow weights and momentum in CPU memory (pinned when a GPU is present) to save accelerator
             memory; they stay there through Accelerate's preparation of the optimizer and through a resume.

@@ -27,10 +27,10 @@ from typing import Literal, get_args
 
 Routing = Literal["sample", "step", "fixed"]
 RoutingDomain = Literal["global", "node"]
-PipelineSchedule = Literal["1f1b", "gpipe"]
+PipelineSchedule = Literal["1f1b", "gpipe", "zb-h1"]
 StageBalance = Literal["layers", "compute"]
 OuterMethod = Literal["noloco", "diloco", "ddp", "local"]
-OuterDtype = Literal["float32", "bfloat16"]
+OuterDtype = Literal["float32", "bfloat16", "int8", "float8_e4m3", "int4"]
 NonfiniteAction = Literal["error", "skip"]
 ReplicaLossAction = Literal["stop", "continue"]
 # What the optimizer steps when the weights are bf16 (see NoLoCoConfig.master_weights).

@@ -47,6 +47,7 @@ from hf_noloco.engine.pipeline import PipelineEngine
 from hf_noloco.engine.routing import Router
 from hf_noloco.engine.tied import TiedEmbeddings
 from hf_noloco.io import checkpoint
+from hf_noloco.outer.compression import wire_bytes
 from hf_noloco.outer.optimizer import OuterOptimizer, broadcast_replica_weights
 from hf_noloco.resilience import elastic
 from hf_noloco.resilience.membership import ReplicaDropped
@@ -235,14 +236,11 @@ class NoLoCoTrainer(Trainer):
                 exc, self.state.global_step + 1
             )
             if self.outer.settings.has_outer_step:
-                dtype = self.outer.settings.outer_dtype
+                dtype, numel = self.outer.settings.outer_dtype, self.outer.numel
+                lora = f" ({self.adapter_summary})" if self.peft_config else ""
                 logger.info(
                     "%s: an outer step exchanges the %d trainable parameters%s, %d bytes in %s.",
-                    self.mesh.describe(),
-                    self.outer.numel,
-                    f" ({self.adapter_summary})" if self.peft_config else "",
-                    self.outer.numel * torch.finfo(getattr(torch, dtype)).bits // 8,
-                    dtype,
+                    *(self.mesh.describe(), numel, lora, wire_bytes(numel, dtype), dtype),
                 )
         return self.optimizer
 

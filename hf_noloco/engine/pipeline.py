@@ -11,9 +11,12 @@ its labels, attention mask and position ids. The last stage weights each sample'
 mean of the replicas' gradients equals data parallel's gradient whatever the routing. Gradients go back
 along the same paths.
 
-The order of computes and messages is the plan of :mod:`hf_noloco.engine.schedule` (1F1B by default, or
-GPipe), which batches every send with the receive the peer needs at the same moment, so that it cannot
-deadlock under NCCL; the engine runs that plan and nothing else. No forward is recomputed unless asked:
+The order of computes and messages is the plan of :mod:`hf_noloco.engine.schedule` (1F1B by default, GPipe,
+or ZB-H1), which batches every send with the receive the peer needs at the same moment, so that it cannot
+deadlock under NCCL; the engine runs that plan and nothing else. Under ZB-H1 a stage's backward is split
+(:mod:`hf_noloco.engine.split_backward`): B computes the input gradient, which leaves at once, and W the
+weight gradients, later, where the plan puts it; a batch's receives are then waited for only when the compute
+that needs them comes, so a W runs while they travel. No forward is recomputed unless asked:
 activation checkpointing of the decoder layers (``PipelineStage.activation_checkpointing_enable``) and the
 chunked loss (``loss_chunk_tokens``) trade a recomputation for memory. Activations and gradients travel in
 ``wire_dtype`` (bfloat16 under bf16 mixed precision: half the bytes) and are computed in the stage's dtype.
@@ -23,16 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from hf_noloco.engine.comm import abandon, collective, exchange, wait_sends
+from hf_noloco.engine.comm import abandon, collective, exchange, post, strict_p2p, wait_sends
 from hf_noloco.engine.losses import next_token_losses, target_token_count
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.routing import Router
-from hf_noloco.engine.schedule import BACKWARD, FORWARD, Post, routed_links, step_plan
+from hf_noloco.engine.schedule import BACKWARD, FORWARD, WEIGHT, Post, routed_links, step_plan
+from hf_noloco.engine.split_backward import backward_input
 from hf_noloco.engine.stage import PipelineStage
 from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice, check_microbatch_size, check_positive_int
 
@@ -64,8 +69,11 @@ class PipelineEngine:
         microbatch_size: rows per microbatch; the per-replica batch must be a multiple of it.
         p2p_timeout: seconds to wait for a peer before failing with an error that names it.
         autocast: a context manager factory wrapping each stage forward (e.g. bf16 autocast), or None.
-        schedule: ``"1f1b"`` (bounded activation memory) or ``"gpipe"``; see
-            :func:`~hf_noloco.engine.schedule.pipeline_order`.
+        schedule: ``"1f1b"`` (bounded activation memory), ``"gpipe"`` or ``"zb-h1"`` (1F1B's order with the
+            weight gradients moved into the bubble; the first stage's peak of activations is 1F1B's); see
+            :func:`~hf_noloco.engine.schedule.pipeline_order`. Under activation checkpointing ``"zb-h1"``
+            runs each whole backward at B time (1F1B's computation in 1F1B's order; see
+            :mod:`~hf_noloco.engine.split_backward` for why).
         wire_dtype: the dtype activations and gradients travel in (default: the stage's own).
         loss_chunk_tokens: the last stage scores this many positions at a time, recomputing each chunk's
             logits in the backward pass, so it never holds a microbatch's full logits; ``None``: all at once
@@ -98,7 +106,10 @@ class PipelineEngine:
         if loss_chunk_tokens is not None:
             check_positive_int("loss_chunk_tokens", loss_chunk_tokens)
         self.loss_chunk_tokens = loss_chunk_tokens
-        self.peak_microbatches_held = 0  # of the last step: what bounds activation memory
+        self.peak_microbatches_held = 0  # of the last step (forward done, weight gradients not): activations
+        # Host seconds the last step spent waiting for peers (posting and waiting for messages): its bubble
+        # as this rank saw it, on gloo (under NCCL's stream waits the host does not wait).
+        self.wait_seconds = 0.0
         self.device = next(stage.parameters()).device
         self.activation_dtype = next(stage.parameters()).dtype
         self.wire_dtype = wire_dtype or self.activation_dtype
@@ -161,6 +172,10 @@ class PipelineEngine:
         meta = self._make_meta(batch, rows, seq_len) if stage.is_first else None
         inputs, outputs, sample_ids = {}, {}, []
         outgoing, arrived, pending = {}, {}, []  # (phase, m) -> tensors to send / received; sends in flight
+        self._awaited = {}  # (phase, m) -> receives posted, not yet waited for: (works, parts, context)
+        weights = {}  # m -> the deferred W of microbatch m (zb-h1), absent where B ran the whole backward
+        # Stage 0 has no input gradient to send: its B is the whole backward, as it is under checkpointing.
+        split = self.schedule == "zb-h1" and not stage.is_first and not stage.is_activation_checkpointing
         loss = torch.zeros((), dtype=torch.float32, device=self.device) if stage.is_last else None
         target_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
 
@@ -172,7 +187,7 @@ class PipelineEngine:
                     meta[m * micro : (m + 1) * micro],
                 )
             else:
-                x, mb_meta = arrived.pop((FORWARD, m))
+                x, mb_meta = self._arrived(arrived, FORWARD, m, micro)
                 x = x.to(self.activation_dtype).requires_grad_(training)
             sample_ids.append(mb_meta[:, 0])
             labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len, has_mask, has_positions)
@@ -193,37 +208,51 @@ class PipelineEngine:
                 outgoing[FORWARD, m] = (y.detach().to(self.wire_dtype), mb_meta)
             if training:
                 inputs[m], outputs[m] = x, y
-            self.peak_microbatches_held = max(self.peak_microbatches_held, len(outputs))
+            held = len(outputs) + len(weights)
+            self.peak_microbatches_held = max(self.peak_microbatches_held, held)
 
         def backward(m: int) -> None:
             x, y = inputs.pop(m), outputs.pop(m)  # dropping them frees the microbatch's activations
-            if stage.is_last:
-                y.backward()
+            grad = None if stage.is_last else self._arrived(arrived, BACKWARD, m, micro)[0].to(y.dtype)
+            if split:  # the weight gradients' share of the graph stays alive in weights[m] until its W
+                x_grad, weights[m] = backward_input(y, grad, x, stage.parameters())
             else:
-                (grad,) = arrived.pop((BACKWARD, m))
-                torch.autograd.backward(y, grad.to(y.dtype))
+                torch.autograd.backward(y, grad)
+                x_grad = x.grad
             if not stage.is_first:
-                outgoing[BACKWARD, m] = (x.grad.to(self.wire_dtype),)
+                outgoing[BACKWARD, m] = (x_grad.to(self.wire_dtype),)
 
-        self.peak_microbatches_held = 0
+        def weight(m: int) -> None:
+            deferred = weights.pop(m, None)
+            if deferred is not None:
+                deferred()
+
+        self.peak_microbatches_held, self.wait_seconds = 0, 0.0
         links = routed_links(
             router, mesh.num_stages, mesh.stage, mesh.replica, self.step_index, self.samples_seen, micro
         )
         schedule = self.schedule if training else "forward"
         plan = step_plan(schedule, rows // micro, mesh.num_stages, mesh.stage, mesh.rank, links)
         try:
-            for item in plan:
+            for i, item in enumerate(plan):
                 if isinstance(item, Post):
-                    pending += self._post(item, outgoing, arrived, micro, seq_len)
+                    # A W next: wait for the receives when their compute comes, the W running meanwhile.
+                    later = i + 1 < len(plan) and getattr(plan[i + 1], "phase", None) == WEIGHT
+                    pending += self._post(item, outgoing, arrived, micro, seq_len, later)
                 elif item.phase == FORWARD:
                     forward(item.microbatch)
-                else:
+                elif item.phase == BACKWARD:
                     backward(item.microbatch)
+                else:
+                    weight(item.microbatch)
+            start = time.perf_counter()
             wait_sends(
                 [work for work, _ in pending], self.p2p_timeout, self._context("the step's last sends", None)
             )
+            self.wait_seconds += time.perf_counter() - start
         except Exception:
-            abandon(pending)  # under on_replica_loss="continue", sends never waited for stay alive
+            # under on_replica_loss="continue", operations never waited for stay alive
+            abandon(pending + [work for works, _, _ in self._awaited.values() for work in works])
             raise
         return StepResult(loss, target_tokens, sample_ids)
 
@@ -268,32 +297,56 @@ class PipelineEngine:
 
     # ----------------------------------------------------------------------------------- communication
 
-    def _post(self, post: Post, outgoing: dict, arrived: dict, micro: int, seq_len: int) -> list:
+    def _post(
+        self, batch: Post, outgoing: dict, arrived: dict, micro: int, seq_len: int, later: bool
+    ) -> list:
         """Posts one batch of the plan: the sends of the compute just done (from ``outgoing``) and the
-        receives of the next one, which it waits for and assembles into ``arrived``. Returns the sends still
-        in flight, with the tensors that must stay alive until they have left."""
+        receives of the next one, which it waits for and assembles into ``arrived`` (``later``: which
+        :meth:`_arrived` does once they are needed). Returns the sends still in flight, with the tensors that
+        must stay alive until they have left."""
         sends = []
-        for msg in post.sends:
+        for msg in batch.sends:
             tensors = outgoing[msg.phase, msg.microbatch]
             if len(msg.rows) != micro:  # the rows routed to this peer
                 index = self._index(msg.rows)
                 tensors = tuple(t.index_select(0, index) for t in tensors)
             sends += [(t, msg.dst) for t in tensors]
         recvs, parts = [], []
-        for msg in post.recvs:
+        for msg in batch.recvs:
             buffers = self._receive_buffers(msg.phase, len(msg.rows), seq_len)
             recvs += [(t, msg.src) for t in buffers]
             parts.append((msg, buffers))
-        first = (post.recvs or post.sends)[0]
+        first = (batch.recvs or batch.sends)[0]
         context = self._context(first.phase, first.microbatch)
-        in_flight = exchange(
-            sends, recvs, self.p2p_timeout, self.mesh.describe_rank, context, group=self.mesh.world_group
-        )
-        for msg in post.sends:  # the pending sends returned below keep what is still needed
+        key = (parts[0][0].phase, parts[0][0].microbatch) if parts else None
+        if later and parts and not strict_p2p():  # strict: every batch completes before the next compute
+            received, in_flight = post(sends, recvs, self.mesh.describe_rank, self.mesh.world_group)
+            self._awaited[key] = (received, parts, context)
+        else:
+            start = time.perf_counter()
+            in_flight = exchange(
+                sends, recvs, self.p2p_timeout, self.mesh.describe_rank, context, group=self.mesh.world_group
+            )
+            self.wait_seconds += time.perf_counter() - start
+            if parts:
+                arrived[key] = self._assemble(parts, micro)
+        for msg in batch.sends:  # the pending sends returned below keep what is still needed
             outgoing.pop((msg.phase, msg.microbatch), None)
-        if parts:
-            arrived[parts[0][0].phase, parts[0][0].microbatch] = self._assemble(parts, micro)
         return [(work, sends) for work in in_flight]
+
+    def _arrived(self, arrived: dict, phase: str, m: int, micro: int) -> tuple[torch.Tensor, ...]:
+        """The received tensors of ``(phase, m)``, waited for first if their batch was posted earlier."""
+        if (phase, m) in self._awaited:
+            received, parts, context = self._awaited.pop((phase, m))
+            start = time.perf_counter()
+            try:
+                wait_sends(received, self.p2p_timeout, context)
+            except Exception:
+                abandon(received)
+                raise
+            self.wait_seconds += time.perf_counter() - start
+            return self._assemble(parts, micro)
+        return arrived.pop((phase, m))
 
     def _receive_buffers(self, phase: str, rows: int, seq_len: int) -> tuple[torch.Tensor, ...]:
         hidden = torch.empty(

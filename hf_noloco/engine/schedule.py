@@ -25,28 +25,109 @@ from dataclasses import dataclass
 from hf_noloco.engine.routing import Router, group_rows_by_peer
 from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice, rank_of
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 
 
 def pipeline_order(schedule: str, num_micro: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
-    """The order in which ``stage`` runs the forward ("F") and backward ("B") of each microbatch.
+    """The order in which ``stage`` runs the forward ("F"), backward ("B") and weight gradient ("W") of each
+    microbatch.
 
     ``gpipe``: every forward, then every backward. ``1f1b``: ``num_stages - stage - 1`` warm-up forwards, then
     one forward and one backward in turn, then the remaining backwards; a stage then holds the activations of
-    at most ``num_stages - stage`` microbatches instead of all of them. ``forward``: the forwards alone
-    (evaluation).
+    at most ``num_stages - stage`` microbatches instead of all of them. ``zb-h1``: 1F1B's forwards and
+    backwards in 1F1B's order, where a backward is the input gradient alone and each microbatch's weight
+    gradient is a "W" of its own, placed by :func:`_zero_bubble_orders` (the first stage has no input gradient
+    to send: its "B" is the whole backward and it has no "W"). ``forward``: the forwards alone (evaluation).
     """
     if schedule == "forward":
         return [(FORWARD, m) for m in range(num_micro)]
     check_choice("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
     if schedule == "gpipe":
         return [(FORWARD, m) for m in range(num_micro)] + [(BACKWARD, m) for m in range(num_micro)]
+    if schedule == "zb-h1":
+        return list(_zero_bubble_orders(num_micro, num_stages)[stage])
+    return _one_f_one_b(num_micro, num_stages, stage)
+
+
+def _one_f_one_b(num_micro: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
     warmup = min(num_stages - stage - 1, num_micro)
     order = [(FORWARD, m) for m in range(warmup)]
     for m in range(warmup, num_micro):
         order += [(FORWARD, m), (BACKWARD, m - warmup)]
     order += [(BACKWARD, m) for m in range(num_micro - warmup, num_micro)]
     return order
+
+
+def held_limit(schedule: str, num_micro: int, num_stages: int, stage: int) -> int:
+    """The most microbatches whose activations ``stage`` holds at once (forward done, weight gradient not):
+    ``num_stages - stage`` under 1F1B; under ZB-H1 1F1B's first stage's ``num_stages`` on every stage, so the
+    pipeline's peak (the first stage's) is 1F1B's; all of them under GPipe."""
+    if schedule == "1f1b":
+        return min(num_stages - stage, num_micro)
+    if schedule == "zb-h1":
+        return min(num_stages, num_micro)
+    return num_micro
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_bubble_orders(num_micro: int, num_stages: int) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Every stage's ZB-H1 order: where each deferred "W" goes, by simulating the step with every F, B and W
+    taking one unit of time (the first stage's whole backward two), messages none.
+
+    A stage runs its next F or B (1F1B's sequence) as soon as its input has arrived; while it waits, a
+    deferred W fills the gap (oldest first: gradients then accumulate in microbatch order, as 1F1B's do), and
+    the rest run at the end. A deferred W keeps its microbatch's activations, so before a forward the
+    microbatches held (forward done, W not) are brought under :func:`held_limit` by running Ws: stage ``s``
+    defers at most ``s`` Ws beyond 1F1B's ``num_stages - s`` held, so no stage holds more than 1F1B's first
+    stage does, and the first stage, which defers none, holds what it holds under 1F1B: the pipeline's peak is
+    1F1B's (ZB-H1's bound; a stage after the first holds more than under 1F1B). Bounding each stage by its own
+    1F1B count instead would defer nothing in this model: each W would run right behind its B, which only
+    hands gradients upstream a W sooner (a bubble of 2 units instead of 1 at 2 stages and 2 microbatches,
+    against 1F1B's 3). Every rank derives the same orders from the same two numbers.
+    """
+    cost = {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
+    sequences = [_one_f_one_b(num_micro, num_stages, s) for s in range(num_stages)]
+    position = [0] * num_stages
+    deferred: list[list[int]] = [[] for _ in range(num_stages)]
+    held = [0] * num_stages
+    free_at = [0] * num_stages
+    done_at: dict[tuple[int, str, int], int] = {}
+    orders: list[list[tuple[str, int]]] = [[] for _ in range(num_stages)]
+
+    def ready(s: int, phase: str, m: int, now: int) -> bool:
+        if phase == FORWARD:
+            return s == 0 or done_at.get((s - 1, FORWARD, m), now + 1) <= now
+        return s == num_stages - 1 or done_at.get((s + 1, BACKWARD, m), now + 1) <= now
+
+    now = 0
+    while any(position[s] < len(sequences[s]) or deferred[s] for s in range(num_stages)):
+        for s in range(num_stages):
+            if free_at[s] > now:
+                continue
+            nxt = sequences[s][position[s]] if position[s] < len(sequences[s]) else None
+            limit = held_limit("zb-h1", num_micro, num_stages, s)
+            must_free = nxt is not None and nxt[0] == FORWARD and held[s] >= limit
+            if nxt is not None and not must_free and ready(s, *nxt, now):
+                phase, m = nxt
+                position[s] += 1
+                took = cost[phase] * (2 if phase == BACKWARD and s == 0 else 1)
+                if phase == FORWARD:
+                    held[s] += 1
+                elif s == 0:
+                    held[s] -= 1
+                else:
+                    deferred[s].append(m)
+            elif deferred[s] and (nxt is None or must_free or not ready(s, *nxt, now)):
+                phase, m = WEIGHT, deferred[s].pop(0)
+                held[s] -= 1
+                took = cost[WEIGHT]
+            else:
+                continue
+            orders[s].append((phase, m))
+            free_at[s] = now + took
+            done_at[s, phase, m] = now + took
+        now += 1
+    return tuple(tuple(order) for order in orders)
 
 
 @dataclass(frozen=True)
@@ -131,15 +212,20 @@ def step_plan(schedule: str, num_micro: int, num_stages: int, stage: int, rank: 
     the reverse); the steady state of 1F1B, which could not complete otherwise (see the module's docstring).
     Everywhere else (warm-up and cool-down, GPipe, evaluation) the sends are posted first, then the receives,
     in two batches: a batch that held operations matched by two different batches of one neighbour could only
-    complete if both ran at once, which a stream never does (:func:`find_deadlock`'s atomic reading)."""
+    complete if both ran at once, which a stream never does (:func:`find_deadlock`'s atomic reading).
+
+    A "W" (zb-h1) exchanges nothing and is invisible to the pairing: the batches are those of the order
+    without its Ws, and each is posted right after the compute whose sends it carries, before the Ws that
+    follow, so a gradient leaves before the weight gradients that nobody waits for (the engine waits for a
+    batch's receives only when the compute that needs them comes)."""
     order = pipeline_order(schedule, num_micro, num_stages, stage)
     neighbours = {
-        side: _successors(pipeline_order(schedule, num_micro, num_stages, stage + side))
+        side: _successors(_exchanging(pipeline_order(schedule, num_micro, num_stages, stage + side)))
         for side in (-1, 1)
         if 0 <= stage + side < num_stages
     }
     is_first, is_last = stage == 0, stage == num_stages - 1
-    plan, sends = [], []
+    plan, sends, weights = [], [], []
     links = functools.lru_cache(maxsize=None)(links)  # each microbatch's peers, drawn once for F and B
 
     def messages(peers: Mapping[int, Sequence[int]], phase: str, m: int, outgoing: bool) -> list[Message]:
@@ -152,6 +238,9 @@ def step_plan(schedule: str, num_micro: int, num_stages: int, stage: int, rank: 
 
     done = None  # the compute just done, whose sends are pending
     for phase, m in order:
+        if phase == WEIGHT:
+            weights.append(Compute(WEIGHT, m))
+            continue
         previous, following = links(m)
         recvs = []
         if phase == FORWARD and not is_first:
@@ -163,15 +252,21 @@ def step_plan(schedule: str, num_micro: int, num_stages: int, stage: int, rank: 
         else:
             plan += [Post(tuple(sends), ())] if sends else []
             plan += [Post((), tuple(recvs))] if recvs else []
+        plan += weights
         plan.append(Compute(phase, m))
-        done, sends = (phase, m), []
+        done, sends, weights = (phase, m), [], []
         if phase == FORWARD and not is_last:
             sends = messages(following, FORWARD, m, outgoing=True)
         if phase == BACKWARD and not is_first:
             sends = messages(previous, BACKWARD, m, outgoing=True)
     if sends:
         plan.append(Post(tuple(sends), ()))
-    return plan
+    return plan + weights
+
+
+def _exchanging(order: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The computes of an order that exchange messages (all but the Ws)."""
+    return [item for item in order if item[0] != WEIGHT]
 
 
 def _successors(order: Sequence[tuple[str, int]]) -> dict[tuple[str, int], tuple[str, int]]:

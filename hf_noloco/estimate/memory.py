@@ -7,7 +7,8 @@ what it holds for the whole run and the largest thing it holds for a moment:
   stage included) in the weights' dtype; AdamW keeps two tensors per parameter in that dtype. Gradients exist
   from a step's first backward to its end (the Trainer frees them after each step).
 - **outer state**: NoLoCo and DiLoCo keep float32 slow weights and momentum, 8 bytes per parameter, on the
-  device unless ``offload_outer_state``.
+  device unless ``offload_outer_state``; a block-scaled ``outer_dtype`` (int8, float8_e4m3, int4) adds its
+  float32 error-feedback buffers, 4 bytes per parameter and quantity sent (two for noloco with gamma != beta).
 - **activations**: what autograd saves for the backward pass, per token and decoder layer, counted tensor by
   tensor for the Hugging Face Llama/Qwen decoder layer with ``sdpa`` attention (no padding mask, so no
   ``tokens x tokens`` tensor is ever made) in three precisions: float32, bfloat16 weights, and float32 weights
@@ -42,6 +43,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hf_noloco.engine.buffers import consecutive_buckets
+from hf_noloco.engine.schedule import held_limit
+from hf_noloco.outer.compression import bytes_per_value, is_compressed
 
 GIB = 2**30
 
@@ -190,6 +193,7 @@ def estimate_stage_memory(
     outer_dtype: str = "float32",
     outer_overlap_steps: int = 0,
     nccl: bool = False,
+    sends_slow_weights: bool = False,
 ) -> MemoryEstimate:
     """Predicted peak bytes of ``stage`` of a ``pipeline_stages``-stage split of ``config`` during training.
 
@@ -200,7 +204,8 @@ def estimate_stage_memory(
     ``local`` neither); ``num_replicas`` and ``gossip_group_size`` size the outer step's receive buffers.
     ``master_weights`` as the training option: with ``"float32"`` (its default) bf16 weights are trained as
     float32 masters under bf16 autocast, which is what is counted; ``"none"``: pure bf16. ``outer_dtype``
-    and ``outer_overlap_steps`` as the training options; ``nccl`` adds the communicators' buffers.
+    and ``outer_overlap_steps`` as the training options; ``nccl`` adds the communicators' buffers;
+    ``sends_slow_weights``: noloco with ``outer_averaging`` != ``outer_lr`` (two quantities on the wire).
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}.")
@@ -219,19 +224,23 @@ def estimate_stage_memory(
     first, last = stage == 0, stage == pipeline_stages - 1
     params = counts["parameters"]
     micro = num_microbatches if num_microbatches is not None else 2 * pipeline_stages
-    held = min(pipeline_stages - stage, micro) if schedule == "1f1b" else micro
+    held = held_limit(schedule, micro, pipeline_stages, stage)
     tokens = microbatch_size * seq_len
 
     weights = params * wbytes
     gradients = params * wbytes
     optimizer = 2 * params * wbytes  # AdamW: exp_avg, exp_avg_sq in the weights' dtype
     has_outer = outer_optimizer in ("noloco", "diloco")
+    compressed = is_compressed(outer_dtype)
+    quantities = 2 if outer_optimizer == "noloco" and sends_slow_weights else 1
     outer = 8 * params if has_outer and not offload_outer_state else 0
-    wire = 2 if outer_dtype == "bfloat16" else 4
+    if has_outer and compressed and not offload_outer_state:  # the error-feedback buffers, float32
+        outer += 4 * quantities * params
+    wire = bytes_per_value(outer_dtype)
     partners = min(gossip_group_size, num_replicas) - 1
     if has_outer and outer_overlap_steps:  # held while the exchange runs: theta_k and the wire copies
-        received = partners if outer_optimizer == "noloco" else 0
-        outer += params * (4 + wire * (1 + received))
+        received = partners if outer_optimizer == "noloco" else (num_replicas if compressed else 0)
+        outer += int(params * (4 + wire * (1 + received)))
     communicators = 0
     if nccl:
         peers = 2 * num_replicas + partners + 4  # both neighbour stages' replicas, partners, the rings
@@ -281,15 +290,23 @@ def estimate_stage_memory(
             head = (4 if mode == "float32" else 2) * logits + head_grad_bytes - 4 * logits
             loss_backward = max(softmax, head)
     bucket = max(counts["buckets"])
-    if outer_optimizer == "noloco":
+    if outer_optimizer == "noloco" and compressed:
+        # while decoding: own float32 weights and a distance temporary; per quantity sent the group's packets
+        # (ours included), every member's decoded values and the mean
+        outer_step = bucket * (8 + quantities * ((1 + partners) * (wire + 4) + 4))
+    elif outer_optimizer == "noloco":
         # own weights in float32 and on the wire; per partner its copy, and (bf16 wire) its float32 difference
         outer_step = bucket * (4 + (wire if wire != 4 else 0) + partners * (wire + (4 if wire != 4 else 0)))
+    elif outer_optimizer == "diloco" and compressed:
+        # weights, pseudo-gradient, the encoder's temporaries, the gathered packets, the sum and one decoded
+        outer_step = bucket * (4 + 4 + 8 + wire * (1 + num_replicas) + 8)
     elif outer_optimizer == "diloco":
         outer_step = bucket * (4 + wire + 4)  # weights, pseudo-gradient on the wire, its float32 mean
     elif outer_optimizer == "ddp":
         outer_step = bucket * grad_bytes * 2
     else:
         outer_step = 0
+    outer_step = int(outer_step)
     # A weight's gradient is computed into a new tensor, then added to .grad (once it exists, from the step's
     # second microbatch on): for the embeddings (and lm_head, above) that temporary is as large as the matrix.
     # The embeddings' gradient comes last in the backward, when the layers' temporaries are gone.
@@ -298,7 +315,7 @@ def estimate_stage_memory(
     # frees one microbatch's activations. Under 1F1B with more microbatches than the stage holds, the next
     # forward fills the freed place again, now with the gradients allocated; otherwise (GPipe, or no more
     # forwards) the peak is at one end of that first backward. Or it is at the outer step.
-    if schedule == "1f1b" and micro > held:
+    if schedule in ("1f1b", "zb-h1") and micro > held:
         backward = activations + gradients + backward_extra
     else:
         head_grad = counts["head"] * wbytes  # lm_head's gradient exists from the loss's backward on

@@ -91,6 +91,23 @@ def noloco_update_(
 
 
 @torch.no_grad()
+def noloco_update_parts_(
+    phi: torch.Tensor,
+    delta: torch.Tensor,
+    pseudo_mean: torch.Tensor,
+    phi_mean: torch.Tensor,
+    alpha: float,
+    beta: float,
+    gamma: float,
+) -> None:
+    """:func:`noloco_update_` from ``mean_G(theta - phi)`` itself (what a compressed exchange with gamma !=
+    beta sends): ``delta <- alpha*delta + beta*pseudo_mean + gamma*(phi_mean - phi)``; ``phi += delta``.
+    ``phi_mean`` is used as scratch space."""
+    delta.mul_(alpha).add_(pseudo_mean, alpha=beta).add_(phi_mean.sub_(phi), alpha=gamma)
+    phi.add_(delta)
+
+
+@torch.no_grad()
 def diloco_update_(
     phi: torch.Tensor, delta: torch.Tensor, pseudo_grad_mean: torch.Tensor, alpha: float, beta: float
 ) -> None:

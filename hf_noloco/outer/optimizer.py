@@ -6,7 +6,8 @@
 - ``noloco``: the replicas are split into random gossip groups (pairs by default); each replica exchanges
   its fast weights with its partners point to point (no all-reduce, no root rank) and moves its slow weights
   towards the group mean with momentum. With gamma == beta only the fast weights cross the network.
-- ``diloco``: the pseudo-gradients ``theta - phi`` are all-reduced over the stage's replicas.
+- ``diloco``: the pseudo-gradients ``theta - phi`` are all-reduced over the stage's replicas (all-gathered
+  as packets with a block-scaled ``outer_dtype``: :mod:`hf_noloco.outer.wire`).
 - ``ddp``: no outer step; :meth:`OuterOptimizer.reduce_gradients` averages gradients every step.
 - ``local``: no synchronisation.
 
@@ -26,27 +27,24 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hf_noloco.engine.buffers import consecutive_buckets, flatten, unflatten_into
+from hf_noloco.engine.buffers import flatten, unflatten_into
 from hf_noloco.engine.comm import PeerError, PendingExchange, exchange, peer_call, wait_collective, wait_sends
 from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.outer.checks import check_finite, check_saved_outer
 from hf_noloco.outer.gossip import (
     diloco_update_,
     divergence_from_partners,
     group_of,
     live_gossip_groups,
     noloco_update_,
+    noloco_update_parts_,
 )
 from hf_noloco.outer.settings import OuterSettings
+from hf_noloco.outer.wire import Wire, buckets_isolating, flat_views, ring_allreduce_bytes
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _ring_allreduce_bytes(nbytes: int, n: int) -> int:
-    # Gloo/NCCL do not report traffic; a ring all-reduce (the bandwidth-optimal algorithm) sends and receives
-    # 2 (n-1)/n of the buffer per process, which is what we count.
-    return 2 * (n - 1) * nbytes // n
 
 
 @dataclass
@@ -61,8 +59,8 @@ class _InFlight:
     peers: list[int] = field(default_factory=list)  # noloco
     outgoing: list[list[torch.Tensor]] = field(default_factory=list)  # noloco, per bucket: what we send
     incoming: list[list[list[torch.Tensor]]] = field(default_factory=list)  # noloco, per bucket and peer
-    works: list[dist.Work] = field(default_factory=list)  # diloco: one all-reduce per bucket
-    pseudo: list[torch.Tensor] = field(default_factory=list)  # diloco: per bucket, reduced in place
+    works: list[dist.Work] = field(default_factory=list)  # diloco: one collective per bucket
+    pseudo: list = field(default_factory=list)  # diloco, per bucket: reduced in place, or gathered packets
     own_finite: list[bool] = field(default_factory=list)  # diloco
     combined: bool = False  # the exchange has ended and phi, delta hold its update
 
@@ -129,7 +127,6 @@ class OuterOptimizer(torch.optim.Optimizer):
         self.mesh = mesh
         self.settings = settings
         self.method = settings.outer_optimizer
-        self.outer_dtype = getattr(torch, settings.outer_dtype)
         self.p2p_timeout = p2p_timeout
         self.params = list(params)
         if not self.params:
@@ -137,7 +134,7 @@ class OuterOptimizer(torch.optim.Optimizer):
         tied = [i for i, p in enumerate(self.params) if p is tied_weight]
         if tied_weight is not None and not tied:
             raise ValueError("tied_weight is not one of params.")
-        self._buckets = _buckets_isolating([p.numel() * 4 for p in self.params], bucket_mb * 2**20, tied)
+        self._buckets = buckets_isolating([p.numel() * 4 for p in self.params], bucket_mb * 2**20, tied)
         # The mirror's bucket is left out of the divergence estimate (the other stage counts the weight).
         self._tied_bucket = next((b for b, bucket in enumerate(self._buckets) if bucket == tied), None)
         self._uncounted_bucket = self._tied_bucket if tied_mirror else None
@@ -179,8 +176,11 @@ class OuterOptimizer(torch.optim.Optimizer):
                 delta = torch.zeros_like(phi)
                 self._phi_flat.append(phi)
                 self._delta_flat.append(delta)
-                self.phi += self._views(phi, tensors)
-                self.delta += self._views(delta, tensors)
+                self.phi += flat_views(phi, tensors)
+                self.delta += flat_views(delta, tensors)
+            numels = [sum(self.params[i].numel() for i in bucket) for bucket in self._buckets]
+            sends_phi = settings.sends_slow_weights
+            self.wire = Wire(settings.outer_dtype, self.method, sends_phi, numels, state_device)
 
     # --- the torch.optim.Optimizer surface, delegated to the inner optimizer -------------------------------
 
@@ -333,11 +333,12 @@ class OuterOptimizer(torch.optim.Optimizer):
         for b, bucket in enumerate(self._buckets):
             theta = flatten([self.params[i] for i in bucket], torch.float32)
             pseudo, own_finite = self._diloco_pseudo(b, theta)
+            work, result = self._diloco_collective(pseudo, self._background_group)
             flight.theta.append(theta)
-            flight.pseudo.append(pseudo)
+            flight.pseudo.append(result)
             flight.own_finite.append(own_finite)
-            if n > 1:
-                flight.works.append(dist.all_reduce(pseudo, group=self._background_group, async_op=True))
+            if work is not None:
+                flight.works.append(work)
         if n == 1:
             for b, pseudo in enumerate(flight.pseudo):
                 self._diloco_combine(b, pseudo, flight.own_finite[b], context)
@@ -366,7 +367,7 @@ class OuterOptimizer(torch.optim.Optimizer):
                 f"({self.mesh.describe()})",
             )
             unflatten_into(grads, flat.div_(n))  # the zeros standing in for missing gradients are dropped
-            traffic = _ring_allreduce_bytes(_nbytes(flat), n)
+            traffic = ring_allreduce_bytes(_nbytes(flat), n)
             self.bytes_sent += traffic
             self.bytes_received += traffic
 
@@ -382,13 +383,11 @@ class OuterOptimizer(torch.optim.Optimizer):
     def _noloco_messages(self, b: int, theta: torch.Tensor, peers: list[int]):
         """Bucket ``b``'s messages of this outer step: ``(outgoing, incoming, sends, recvs)``.
 
-        ``outgoing``: what goes to each partner, the fast weights (and the slow weights when gamma != beta)
-        in the wire precision; our own float32 copy ``theta`` stays exact, only the wire copy is rounded.
+        ``outgoing``: what goes to each partner (:meth:`Wire.noloco_outgoing`); our own float32 copy
+        ``theta`` stays exact, only the wire copy is rounded.
         ``incoming``: one receive buffer per partner and message. Two messages to the same peer are matched
         in the order listed: theta, then phi."""
-        outgoing = [theta.to(self.outer_dtype)]
-        if self.settings.sends_slow_weights:
-            outgoing.append(self._phi_flat[b].to(device=theta.device, dtype=self.outer_dtype))
+        outgoing = self.wire.noloco_outgoing(b, theta, self._phi_flat[b])
         incoming = [[torch.empty_like(t) for t in outgoing] for _ in peers]
         sends = [(t, peer) for peer in peers for t in outgoing]
         recvs = [(t, peer) for peer, bufs in zip(peers, incoming) for t in bufs]
@@ -447,9 +446,11 @@ class OuterOptimizer(torch.optim.Optimizer):
         group_n = len(peers) + 1
         self.bytes_sent += sum(_nbytes(t) for t in outgoing) * len(peers)
         self.bytes_received += sum(_nbytes(t) for bufs in incoming for t in bufs)
+        if self.wire.compressed:
+            return self._noloco_combine_decoded(b, outgoing, incoming, peers, context)
         # Finite checks ride on reductions we need anyway (one pass each, no temporaries): a NaN or inf
         # anywhere makes the sum, or the squared distance to a partner, non-finite.
-        self._check_finite([t.sum() for t in outgoing], "this replica's own weights", context)
+        check_finite([t.sum() for t in outgoing], "this replica's own weights", context)
         # mean_G theta = theta + (1/n) sum_j (theta_j - theta): computed in place, in the receive buffers
         # and our flat copy of theta (which becomes the mean), with the distances for the estimate.
         sq_dist = 0.0
@@ -457,7 +458,7 @@ class OuterOptimizer(torch.optim.Optimizer):
         for peer, bufs in zip(peers, incoming):
             diff = bufs[0].float().sub_(theta)  # in place when fp32 (.float() is then a no-op)
             dist_sq = torch.dot(diff, diff)
-            self._check_finite(
+            check_finite(
                 [dist_sq] + [t.sum() for t in bufs[1:]],
                 f"the weights received from {mesh.describe_rank(peer)}",
                 context,
@@ -487,8 +488,42 @@ class OuterOptimizer(torch.optim.Optimizer):
         )
         return sq_dist
 
+    def _noloco_combine_decoded(self, b, outgoing, incoming, peers, context) -> float:
+        """:meth:`_noloco_combine` for a block-scaled ``outer_dtype``: every member of the group, this replica
+        included, enters the means with its *decoded* values, summed in replica order, so all members pull
+        towards bit-identical means (docs/compressed-gossip.md)."""
+        mesh, s = self.mesh, self.settings
+        members = sorted([(mesh.rank, outgoing)] + list(zip(peers, incoming)), key=lambda m: m[0])
+
+        def check(rank, values):
+            who = "this replica's own weights" if rank == mesh.rank else None
+            who = who or f"the weights received from {mesh.describe_rank(rank)}"
+            check_finite([v.sum() for v in values], who, context)
+
+        means, sq_dists = self.wire.combine(b, members, mesh.rank, check)
+        sq_dist = sum(sq_dists) if b != self._uncounted_bucket else 0.0
+        phi, delta = self._phi_flat[b], self._delta_flat[b]
+        means = [m.to(phi.device) for m in means]
+        if len(means) == 1:  # theta only (gamma == beta)
+            noloco_update_(phi, delta, means[0], s.outer_momentum, s.outer_lr, s.outer_averaging)
+        else:  # Delta and phi
+            noloco_update_parts_(phi, delta, *means, s.outer_momentum, s.outer_lr, s.outer_averaging)
+        return sq_dist
+
+    def _diloco_collective(self, pseudo: torch.Tensor, group) -> tuple[dist.Work | None, object]:
+        """Posts one bucket's collective: ``(work, what _diloco_combine takes)``. A float pseudo-gradient is
+        all-reduced in place; packets are all-gathered (a sum of int8 values from different scales would be
+        wrong) and summed after decoding. One replica: no collective."""
+        n = self.mesh.num_replicas
+        if not self.wire.compressed:
+            return (dist.all_reduce(pseudo, group=group, async_op=True) if n > 1 else None), pseudo
+        if n == 1:
+            return None, [pseudo]
+        gathered = [torch.empty_like(pseudo) for _ in range(n)]
+        return dist.all_gather(gathered, pseudo, group=group, async_op=True), gathered
+
     def _diloco_step(self) -> None:
-        mesh, n = self.mesh, self.mesh.num_replicas
+        mesh = self.mesh
         what = (
             f"DiLoCo all-reduce of outer step {self.outer_step_count} over the replicas of stage {mesh.stage}"
         )
@@ -496,10 +531,10 @@ class OuterOptimizer(torch.optim.Optimizer):
             params = [self.params[i] for i in bucket]
             theta = flatten(params, torch.float32)
             pseudo, own_finite = self._diloco_pseudo(b, theta)
-            if n > 1:
-                work = dist.all_reduce(pseudo, group=mesh.replica_group, async_op=True)
+            work, result = self._diloco_collective(pseudo, mesh.replica_group)
+            if work is not None:
                 wait_collective(work, self.p2p_timeout, f"{what} ({mesh.describe()})")
-            self._diloco_combine(b, pseudo, own_finite, what)
+            self._diloco_combine(b, result, own_finite, what)
             unflatten_into(params, self._phi_flat[b].to(theta.device))
 
     def _share_tied_state(self) -> None:
@@ -523,15 +558,19 @@ class OuterOptimizer(torch.optim.Optimizer):
             unflatten_into([self.params[i] for i in self._buckets[b]], phi)
 
     def _diloco_pseudo(self, b: int, theta: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Bucket ``b``'s pseudo-gradient ``theta - phi`` in the wire precision, and whether it is finite."""
-        pseudo = (theta - self._phi_flat[b].to(theta.device)).to(self.outer_dtype)
-        return pseudo, bool(torch.isfinite(pseudo.sum()))  # a NaN/inf anywhere makes the sum non-finite
+        """Bucket ``b``'s pseudo-gradient ``theta - phi`` on the wire, and whether it is finite."""
+        pseudo = theta - self._phi_flat[b].to(theta.device)
+        finite = bool(torch.isfinite(pseudo.sum()))  # a NaN/inf anywhere makes the sum non-finite
+        return self.wire.diloco_outgoing(b, pseudo), finite
 
-    def _diloco_combine(self, b: int, pseudo: torch.Tensor, own_finite: bool, what: str) -> None:
-        """Folds bucket ``b``'s all-reduced pseudo-gradient sum into phi and delta."""
+    def _diloco_combine(self, b: int, pseudo, own_finite: bool, what: str) -> None:
+        """Folds bucket ``b``'s all-reduced pseudo-gradient sum (or its all-gathered packets) into phi and
+        delta."""
         mesh, n = self.mesh, self.mesh.num_replicas
         if n > 1:
-            traffic = _ring_allreduce_bytes(_nbytes(pseudo), n)
+            # A ring all-gather sends each of the other n - 1 packets on once.
+            gathered = self.wire.compressed
+            traffic = (n - 1) * _nbytes(pseudo[0]) if gathered else ring_allreduce_bytes(_nbytes(pseudo), n)
             self.bytes_sent += traffic
             self.bytes_received += traffic
         # Check after the collective, so that no replica is left waiting for one that gave up.
@@ -539,30 +578,21 @@ class OuterOptimizer(torch.optim.Optimizer):
             raise FloatingPointError(
                 f"{what}: this replica's own weights ({mesh.describe()}) are not finite."
             )
-        if not bool(torch.isfinite(pseudo.sum())):
+        mean = self.wire.diloco_mean(b, pseudo) if self.wire.compressed else pseudo.float().div_(n)
+        if not bool(torch.isfinite(mean.sum())):
             raise FloatingPointError(
                 f"{what}: the averaged pseudo-gradient is not finite: another replica of "
                 f"stage {mesh.stage} sent NaN/inf weights ({mesh.describe()})."
             )
-        mean = pseudo.float().div_(n).to(self._phi_flat[b].device)
+        mean = mean.to(self._phi_flat[b].device)
         s = self.settings
         diloco_update_(self._phi_flat[b], self._delta_flat[b], mean, s.outer_momentum, s.outer_lr)
 
-    @staticmethod
-    def _check_finite(reductions: list[torch.Tensor], what: str, context: str) -> None:
-        for t in reductions:
-            if not bool(torch.isfinite(t)):
-                raise FloatingPointError(
-                    f"{context}: {what} contain NaN or inf; stopping rather than averaging "
-                    "them into a partner."
-                )
-
-    @staticmethod
-    def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for t in like:
-            views.append(flat[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
+    def _error_views(self) -> list[torch.Tensor]:
+        """The error-feedback buffers, one ``(quantities, *shape)`` view per parameter (empty: none)."""
+        views = []
+        for b, bucket in enumerate(self._buckets if self._phi_flat else []):
+            views += self.wire.error_views(b, [self.params[i] for i in bucket])
         return views
 
     def reset_outer_state(self) -> None:
@@ -579,6 +609,8 @@ class OuterOptimizer(torch.optim.Optimizer):
                 if self._phi_flat:
                     self._phi_flat[b].copy_(flatten([self.params[i] for i in bucket], torch.float32))
                     self._delta_flat[b].zero_()
+            if self._phi_flat:
+                self.wire.reset()
 
     # --- checkpointing --------------------------------------------------------------------------------------
 
@@ -606,11 +638,12 @@ class OuterOptimizer(torch.optim.Optimizer):
             "last_divergence_estimate": self.last_divergence_estimate,
             "phi": list(self.phi),
             "delta": list(self.delta),
+            "error_feedback": self._error_views(),
         }
         if flight is not None:
             sent = []
             for b, bucket in enumerate(self._buckets):
-                sent += self._views(flight.theta[b], [self.params[i] for i in bucket])
+                sent += flat_views(flight.theta[b], [self.params[i] for i in bucket])
             state["outer"]["in_flight"] = {"apply_at": flight.apply_at, "theta": sent}
         return state
 
@@ -619,31 +652,16 @@ class OuterOptimizer(torch.optim.Optimizer):
         (so they keep their device, e.g. the CPU when offloaded)."""
         state_dict = dict(state_dict)
         outer = state_dict.pop("outer", None)
-        if outer is None:
-            raise ValueError(
-                "This optimizer state dict has no 'outer' entry: it was not saved by OuterOptimizer."
-            )
-        if outer["method"] != self.method:
-            raise ValueError(
-                f"The state dict was saved with outer method {outer['method']!r}, but this optimizer "
-                f"uses {self.method!r}."
-            )
-        if len(outer["phi"]) != len(self.phi) or len(outer["delta"]) != len(self.delta):
-            raise ValueError(
-                f"The state dict holds outer state for {len(outer['phi'])} parameters, this optimizer "
-                f"has {len(self.phi)}."
-            )
-        for saved, mine, name in [(s, m, "phi") for s, m in zip(outer["phi"], self.phi)] + [
-            (s, m, "delta") for s, m in zip(outer["delta"], self.delta)
-        ]:
-            if saved.shape != mine.shape:
-                raise ValueError(
-                    f"Outer state {name} has shape {tuple(saved.shape)}, expected {tuple(mine.shape)}."
-                )
+        errors = self._error_views()
+        check_saved_outer(outer, self.method, self.phi, self.delta, errors, len(self.params))
+        saved_errors = outer.get("error_feedback") or []
         self.inner.load_state_dict(state_dict)
         with torch.no_grad():
             for saved, mine in zip(outer["phi"] + outer["delta"], self.phi + self.delta):
                 mine.copy_(saved)
+            # Saved without (a float outer_dtype, or an older run): nothing is owed yet.
+            for k, mine in enumerate(errors):
+                mine.copy_(saved_errors[k]) if saved_errors else mine.zero_()
         self.inner_step_count = int(outer["inner_step_count"])
         self.outer_step_count = int(outer["outer_step_count"])
         self.bytes_sent = int(outer["bytes_sent"])
@@ -652,11 +670,6 @@ class OuterOptimizer(torch.optim.Optimizer):
         self._in_flight = None
         saved = outer.get("in_flight")
         if saved is not None:
-            if len(saved["theta"]) != len(self.params):
-                raise ValueError(
-                    f"The in-flight outer step holds {len(saved['theta'])} tensors, this optimizer has "
-                    f"{len(self.params)} parameters."
-                )
             device = self.params[0].device
             theta = [
                 flatten([saved["theta"][i] for i in bucket], torch.float32).to(device)
@@ -664,16 +677,6 @@ class OuterOptimizer(torch.optim.Optimizer):
             ]
             context = f"outer step {self.outer_step_count - 1} of {self.mesh.describe()}"
             self._in_flight = _InFlight(self.method, int(saved["apply_at"]), theta, context, combined=True)
-
-
-def _buckets_isolating(sizes: list[int], limit: float, isolated: list[int]) -> list[list[int]]:
-    """:func:`~hf_noloco.engine.buffers.consecutive_buckets`, with the item of ``isolated`` (at most one) in
-    a bucket of its own."""
-    if not isolated:
-        return consecutive_buckets(sizes, limit)
-    [i] = isolated
-    after = consecutive_buckets(sizes[i + 1 :], limit)
-    return consecutive_buckets(sizes[:i], limit) + [[i]] + [[j + i + 1 for j in b] for b in after]
 
 
 @torch.no_grad()

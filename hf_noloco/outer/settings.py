@@ -36,8 +36,9 @@ class OuterSettings:
         outer_optimizer: ``"noloco"``, ``"diloco"``, ``"ddp"`` or ``"local"``.
         inner_steps, outer_lr, outer_momentum, outer_averaging: H, beta, alpha, gamma.
         gossip_group_size: n, replicas averaged together at a noloco outer step (2: pairs).
-        outer_dtype: what crosses the network at an outer step (``"bfloat16"`` halves the bytes; the outer
-            state itself stays float32).
+        outer_dtype: what crosses the network at an outer step: ``"float32"``, ``"bfloat16"`` (a cast), or a
+            block-scaled format with error feedback, ``"int8"``, ``"float8_e4m3"``, ``"int4"``
+            (:mod:`hf_noloco.outer.compression`). The outer state itself stays float32.
         offload_outer_state: keep the slow weights and the momentum on the CPU.
         routing_seed: shared by every rank; draws the gossip groups.
         outer_overlap_steps: tau, inner steps that run while an outer step's exchange is in flight (0: the

@@ -468,7 +468,7 @@ def test_constructor_errors():
         OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), OuterSettings("allreduce"))
     with pytest.raises(ValueError, match="outer_dtype"):
         OuterOptimizer(
-            inner, list(model.parameters()), _solo_mesh(), OuterSettings("local", outer_dtype="int8")
+            inner, list(model.parameters()), _solo_mesh(), OuterSettings("local", outer_dtype="fp16")
         )
     opt = OuterOptimizer(inner, list(model.parameters()), _solo_mesh(), OuterSettings("local"))
     with pytest.raises(ValueError, match="outer method 'diloco'"):

@@ -14,7 +14,7 @@ from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.partition import split_model
 from hf_noloco.engine.pipeline import PipelineEngine
 from hf_noloco.engine.routing import Router
-from hf_noloco.engine.schedule import pipeline_order
+from hf_noloco.engine.schedule import held_limit, pipeline_order
 from hf_noloco.launch.local_launch import run_distributed
 from hf_noloco.rules import PIPELINE_SCHEDULES as SCHEDULES
 from tests.helpers.reference import origin
@@ -100,7 +100,7 @@ def test_routing_does_not_change_the_mathematics(pp, dp, layers, boundaries, rou
             by_stage.setdefault(stage, {})[replica] = out[routing, schedule]
         micro_steps = ROWS_PER_REPLICA // MICRO
         for stage, replicas in by_stage.items():  # 1F1B bounds the activations a stage holds
-            expected_peak = min(pp - stage, micro_steps) if schedule == "1f1b" else micro_steps
+            expected_peak = held_limit(schedule, micro_steps, pp, stage)
             assert all(replicas[r]["peak"] == expected_peak for r in range(dp))
         last = by_stage[pp - 1]
         # The loss: a replica's loss is a sum of per-shard mean losses, so the replicas' mean is DDP's.
@@ -211,16 +211,21 @@ def test_pipeline_orders_run_each_microbatch_forward_then_backward_once(num_micr
     for schedule in SCHEDULES:
         for stage in range(num_stages):
             order = pipeline_order(schedule, num_micro, num_stages, stage)
+            weights = [m for op, m in order if op == "W"]  # zb-h1: each backward's weight gradient, later
+            assert weights == ([] if schedule != "zb-h1" or stage == 0 else list(range(num_micro)))
+            assert all(order.index(("B", m)) < order.index(("W", m)) for m in weights)
+            order = [(op, m) for op, m in order if op != "W"]
             assert sorted(order) == sorted(
                 [("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)]
             )
             assert all(order.index(("F", m)) < order.index(("B", m)) for m in range(num_micro))
             backwards = [m for op, m in order if op == "B"]
             assert backwards == sorted(backwards)  # both ends of a link see gradients in the same order
-            held = peak = 0
-            for op, _ in order:
-                held += 1 if op == "F" else -1
-                peak = max(peak, held)
-            assert peak == (min(num_stages - stage, num_micro) if schedule == "1f1b" else num_micro)
-    with pytest.raises(ValueError, match="pipeline_schedule must be one of 1f1b, gpipe, got 'zb'"):
+            if schedule != "zb-h1":  # its peak, with the Ws, is test_schedule.py's
+                held = peak = 0
+                for op, _ in order:
+                    held += 1 if op == "F" else -1
+                    peak = max(peak, held)
+                assert peak == held_limit(schedule, num_micro, num_stages, stage)
+    with pytest.raises(ValueError, match="pipeline_schedule must be one of 1f1b, gpipe, zb-h1, got 'zb'"):
         pipeline_order("zb", 2, 2, 0)

@@ -6,7 +6,15 @@ import itertools
 import pytest
 
 from hf_noloco.engine.routing import Router
-from hf_noloco.engine.schedule import Message, Post, find_deadlock, mesh_plans
+from hf_noloco.engine.schedule import (
+    Compute,
+    Message,
+    Post,
+    find_deadlock,
+    held_limit,
+    mesh_plans,
+    pipeline_order,
+)
 
 SEEDS_PER_CASE = 1  # a seed of its own in every case of the grid: 2016 distinct draws in all
 
@@ -30,11 +38,13 @@ def _separate(plan):
     return separate
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "forward"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "forward", "zb-h1"])
 @pytest.mark.parametrize("num_stages", range(2, 9))
 def test_no_plan_deadlocks(schedule, num_stages):
     checked = 0
     for num_replicas, num_micro in itertools.product(range(1, 5), range(1, 17)):
+        if schedule == "zb-h1" and (num_micro + num_replicas + num_stages) % 2:
+            continue  # half the grid (a checkerboard): its batches are 1F1B's, which the whole grid checks
         micro = 1 + (num_micro + num_replicas) % 3  # rows per microbatch: split over up to 3 peers
         for router in _routers(num_replicas, case=100 * num_stages + 20 * num_replicas + num_micro):
             plans = mesh_plans(schedule, num_stages, router, num_micro, micro, step=5, first_sample=7 * micro)
@@ -48,7 +58,57 @@ def test_no_plan_deadlocks(schedule, num_stages):
                 problem,
             )
             checked += 1
-    assert checked == 16 * (1 + 3 * (1 + 2 * SEEDS_PER_CASE))
+    assert checked == 16 * (1 + 3 * (1 + 2 * SEEDS_PER_CASE)) // (2 if schedule == "zb-h1" else 1)
+
+
+@pytest.mark.parametrize("num_stages", range(2, 9))
+def test_zb_h1_runs_1f1bs_forwards_and_backwards_with_the_weight_gradients_in_the_bubble(num_stages):
+    """Per stage: 1F1B's F and B sequence; one W per microbatch after its B, in microbatch order (gradients
+    accumulate as under 1F1B); the pipeline never holds more microbatches on a stage (forward done, W not)
+    than 1F1B's peak, the first stage's, and the first stage holds exactly what it holds under 1F1B."""
+    deferred_somewhere = False
+    for num_micro in range(1, 17):
+        peaks = []
+        for stage in range(num_stages):
+            order = pipeline_order("zb-h1", num_micro, num_stages, stage)
+            assert [c for c in order if c[0] != "W"] == pipeline_order("1f1b", num_micro, num_stages, stage)
+            weights = [m for phase, m in order if phase == "W"]
+            assert weights == ([] if stage == 0 else list(range(num_micro)))  # stage 0: B is the backward
+            held = peak = 0
+            for i, (phase, m) in enumerate(order):
+                if phase == "W":
+                    assert order.index(("B", m)) < i
+                    deferred_somewhere |= order[i - 1] != ("B", m)
+                held += {"F": 1, "B": -1 if stage == 0 else 0, "W": -1}[phase]
+                peak = max(peak, held)
+            assert held == 0 and peak <= held_limit("zb-h1", num_micro, num_stages, stage)
+            peaks.append(peak)
+        assert peaks[0] == held_limit("1f1b", num_micro, num_stages, 0) == max(peaks)
+        assert max(peaks) == max(held_limit("1f1b", num_micro, num_stages, s) for s in range(num_stages))
+    assert deferred_somewhere  # else this would be 1F1B with a split backward
+
+
+@pytest.mark.parametrize(
+    "num_stages, num_replicas, granularity", [(2, 1, "fixed"), (3, 2, "sample"), (5, 3, "step")]
+)
+def test_zb_h1_posts_1f1bs_batches_with_each_weight_gradient_after_its_backwards_sends(
+    num_stages, num_replicas, granularity
+):
+    """The batches (what :func:`find_deadlock` reads) are 1F1B's, in 1F1B's order; the Ws are computes in
+    between, each after the batch carrying the sends of the B before it."""
+    router = Router(num_replicas, granularity, seed=3)
+    for num_micro in (1, 3, 8):
+        ours = mesh_plans("zb-h1", num_stages, router, num_micro, micro=2, step=1)
+        theirs = mesh_plans("1f1b", num_stages, router, num_micro, micro=2, step=1)
+        for rank, plan in ours.items():
+            assert [i for i in plan if isinstance(i, Post)] == [
+                i for i in theirs[rank] if isinstance(i, Post)
+            ]
+            for i, item in enumerate(plan):
+                if isinstance(item, Compute) and item.phase == "W":
+                    before = plan[plan.index(Compute("B", item.microbatch)) + 1]
+                    assert isinstance(before, Post) and before.sends[0].phase == "B", (rank, plan)
+                    assert plan.index(before) < i
 
 
 @pytest.mark.parametrize(
