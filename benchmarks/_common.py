@@ -103,6 +103,7 @@ def _train_worker(spec: dict, train, eval_, out_dir: str):
     outer = {}
     if spec["method"] in ("noloco", "diloco"):  # None: the paper's default for the method
         outer = {k: spec.get(k) for k in ("inner_steps", "outer_lr", "outer_momentum")}
+        outer["outer_dtype"] = spec.get("outer_dtype", "float32")
     if spec["method"] == "noloco":
         outer.update(
             outer_averaging=spec.get("outer_averaging"), gossip_group_size=spec.get("gossip_group_size", 2)

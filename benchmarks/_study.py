@@ -43,6 +43,7 @@ OUTER_KEYS = {
     "beta": "outer_lr",
     "gamma": "outer_averaging",
     "group": "gossip_group_size",
+    "dtype": "outer_dtype",
 }
 ARM_KEYS = ("method", "routing", *OUTER_KEYS)
 METHODS = ("noloco", "diloco", "ddp", "local")
@@ -83,6 +84,7 @@ def normalize_arm(name: str, arm: dict) -> dict:
             outer_momentum=arm.get("alpha"),
             outer_averaging=arm.get("gamma"),
             gossip_group_size=arm.get("group", 2),
+            outer_dtype=arm.get("dtype") or "float32",
         )
         out.update(
             H=resolved.inner_steps,
@@ -90,6 +92,7 @@ def normalize_arm(name: str, arm: dict) -> dict:
             beta=resolved.outer_lr,
             gamma=resolved.outer_averaging,
             group=resolved.gossip_group_size if method == "noloco" else None,
+            dtype=resolved.outer_dtype,
         )
     else:
         given = [k for k in OUTER_KEYS if arm.get(k) is not None]
@@ -207,6 +210,8 @@ def run_spec(study: dict, mesh: str, arm_name: str, seed: int) -> dict:
     )
     if arm["method"] in ("noloco", "diloco"):
         spec.update(inner_steps=arm["H"], outer_lr=arm["beta"], outer_momentum=arm["alpha"])
+        if arm.get("dtype", "float32") != "float32":  # (absent from the specs of the runs recorded before)
+            spec["outer_dtype"] = arm["dtype"]
     if arm["method"] == "noloco":
         spec.update(outer_averaging=arm["gamma"], gossip_group_size=arm["group"])
     if spec["microbatch_size"] is not None:
@@ -215,8 +220,9 @@ def run_spec(study: dict, mesh: str, arm_name: str, seed: int) -> dict:
 
 
 def arm_record(arm: dict) -> dict:
-    """What identifies an arm's training (its plot style left out)."""
-    return {k: arm[k] for k in ARM_KEYS}
+    """What identifies an arm's training (its plot style left out). A float32 wire is left out too: the runs
+    recorded before ``dtype`` existed were float32."""
+    return {k: arm[k] for k in ARM_KEYS if k != "dtype" or arm.get(k) not in (None, "float32")}
 
 
 # --------------------------------------------------------------------------------------------- part files

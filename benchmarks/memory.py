@@ -121,6 +121,9 @@ CASES = [
     # held microbatches: stage 6 of 8 holds 2 of 4 under 1F1B, all 4 under GPipe
     _case("1b-s6-bf16-1f1b", LLAMA_32_1B, 8, 6, dtype="bfloat16", num_micro=4, seq=2048),
     _case("1b-s6-bf16-gpipe", LLAMA_32_1B, 8, 6, dtype="bfloat16", num_micro=4, seq=2048, schedule="gpipe"),
+    # zb-h1: a later stage may hold pp (here all 4) microbatches, stage 0's 1F1B count, and each deferred W
+    # the gradients at its weights' joints (stage 0's backward is not split: it holds what 1F1B holds)
+    _case("1b-s6-bf16-zbh1", LLAMA_32_1B, 8, 6, dtype="bfloat16", num_micro=4, seq=2048, schedule="zb-h1"),
     # the ends: the embeddings, and the tied lm_head copy with the plain and the chunked loss
     _case("1b-s0-bf16-ckpt", LLAMA_32_1B, 8, 0, dtype="bfloat16", ckpt=True, seq=2048),
     _case("1b-s7-bf16-plain-loss", LLAMA_32_1B, 8, 7, dtype="bfloat16", seq=2048),
@@ -282,13 +285,18 @@ class StageRun:
 
         from hf_noloco.engine.losses import next_token_losses, target_token_count
         from hf_noloco.engine.schedule import pipeline_order
+        from hf_noloco.engine.split_backward import backward_input
 
         case, stage, g, dev = self.case, self.stage, self.generator, self.device
         micro, seq = case["micro"], case["seq"]
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=case["autocast"])
-        held = {}
+        held, weights = {}, {}
+        # zb-h1 defers a middle or last stage's weight gradients to the "W" of its order (engine/pipeline.py).
+        split = case["schedule"] == "zb-h1" and not stage.is_first and not case["ckpt"]
         for op, m in pipeline_order(case["schedule"], case["num_micro"], case["pp"], case["stage"]):
-            if op == "F":
+            if op == "W":
+                weights.pop(m)()
+            elif op == "F":
                 ids = torch.randint(0, self.config.vocab_size, (micro, seq), generator=g, device=dev)
                 if stage.is_first:
                     x = ids
@@ -303,10 +311,13 @@ class StageRun:
                 held[m] = (x, y)
             else:
                 x, y = held.pop(m)
-                if stage.is_last:
-                    y.backward()
-                else:  # the next stage's gradient
-                    y.backward(torch.randn(y.shape, generator=g, device=dev).to(y.dtype))
+                grad = None
+                if not stage.is_last:  # the next stage's gradient
+                    grad = torch.randn(y.shape, generator=g, device=dev).to(y.dtype)
+                if split:
+                    _, weights[m] = backward_input(y, grad, x, stage.parameters())
+                else:
+                    y.backward(grad)
                 del x, y
         return case["num_micro"] * micro * seq
 

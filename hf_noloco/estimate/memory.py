@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hf_noloco.engine.buffers import consecutive_buckets
-from hf_noloco.engine.schedule import held_limit
+from hf_noloco.engine.schedule import held_limit, pipeline_order
 from hf_noloco.outer.compression import bytes_per_value, is_compressed
 
 GIB = 2**30
@@ -86,6 +86,22 @@ class _Shapes:
     head_dim: int
     vocab: int
     qk_norm: bool
+
+
+def _zero_bubble_peak(order, per_micro: int, joint: int) -> int:
+    """The most a zb-h1 stage holds over its step's ``order``: each microbatch from its forward to its W
+    (``per_micro``), and from its B to its W the kept joint gradients as well (``joint``)."""
+    open_, pending, peak = set(), set(), 0
+    for op, m in order:
+        if op == "F":
+            open_.add(m)
+        elif op == "B":
+            pending.add(m)
+        else:  # its W: the graph and the kept gradients are freed
+            open_.discard(m)
+            pending.discard(m)
+        peak = max(peak, len(open_) * per_micro + len(pending) * joint)
+    return peak
 
 
 def _shapes(config) -> _Shapes:
@@ -265,9 +281,17 @@ def estimate_stage_memory(
         if not chunked:  # float32 log-probabilities (and autocast's bf16 copy of lm_head) kept for backward
             per_micro += 4 * vocab_tokens + (2 * counts["head"] if mode == "autocast" else 0)
     activations = held * per_micro
+    grad_bytes = 2 if mode == "bfloat16" else 4
+    if schedule == "zb-h1" and not first and not activation_checkpointing:
+        # A deferred W keeps, beside its microbatch's saved activations, the gradient that reached each joint
+        # of its parameters' branches (engine/split_backward.py): every linear layer's output (q, k, v, o,
+        # gate, up, down) and each norm's output. The peak is where the schedule's order has the most open.
+        joint = tokens * (s.q_width + 2 * s.kv_width + 4 * s.hidden + 2 * s.intermediate) * grad_bytes
+        activations = _zero_bubble_peak(
+            pipeline_order(schedule, micro, pipeline_stages, stage), per_micro, counts["layers"] * joint
+        )
 
     # The largest momentary extra on top of the activations.
-    grad_bytes = 2 if mode == "bfloat16" else 4
     layer_backward = tokens * (3 * s.intermediate + 3 * s.hidden) * grad_bytes
     if activation_checkpointing:  # one layer rebuilt at a time, with its weight copies under autocast
         layer_backward += tokens * layer_full + copies
