@@ -66,6 +66,7 @@ def test_arms_from_the_command_line_and_the_paper_defaults():
         "beta": 0.7,
         "gamma": 0.5,
         "group": 4,
+        "dtype": "float32",
     }
     # Unset values are the paper's: noloco H 50, alpha 0.5, gamma = beta, pairs; diloco H 100, alpha 0.3.
     assert _study.normalize_arm("n", {"method": "noloco", "beta": 0.6}) == {
@@ -76,7 +77,9 @@ def test_arms_from_the_command_line_and_the_paper_defaults():
         "beta": 0.6,
         "gamma": 0.6,
         "group": 2,
+        "dtype": "float32",
     }
+    assert _study.normalize_arm("n", {"method": "noloco", "dtype": "int4"})["dtype"] == "int4"
     assert _study.normalize_arm("d", {"method": "diloco"})["H"] == 100
     assert _study.normalize_arm("d", {"method": "diloco"})["alpha"] == 0.3
     for bad, message in [
@@ -87,6 +90,7 @@ def test_arms_from_the_command_line_and_the_paper_defaults():
         ("x=local,routing=random", "routing must be"),
         ("x=noloco,alpha=1.0", "outer_momentum"),  # the library's own range checks
         ("x=diloco,beta=0", "outer_lr"),
+        ("x=noloco,dtype=int2", "outer_dtype"),
     ]:
         with pytest.raises(ValueError, match=message):
             _study.normalize_arm(*_study.parse_arm(bad))
