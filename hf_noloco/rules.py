@@ -338,9 +338,11 @@ def docstring_entries(doc: str) -> dict[str, str]:
 
 
 def help_from_docstring(cls):
-    """Gives every field documented in ``cls``'s docstring that entry as its ``--help`` text."""
+    """Gives every field documented in ``cls``'s docstring that entry as its ``--help`` text (``%`` escaped:
+    argparse formats help texts with ``%``)."""
     entries = docstring_entries(cls.__doc__)
     for f in dataclasses.fields(cls):
         if f.name in entries and f.name in cls.__annotations__:  # fields declared here, not inherited ones
-            f.metadata = types.MappingProxyType({**f.metadata, "help": entries[f.name]})
+            help_text = entries[f.name].replace("%", "%%")
+            f.metadata = types.MappingProxyType({**f.metadata, "help": help_text})
     return cls
