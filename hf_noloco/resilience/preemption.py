@@ -73,9 +73,8 @@ class Preemption(TrainerCallback):
         return self._group if self._group is not None else self.mesh.world_group
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if (
-            self.enabled and threading.current_thread() is threading.main_thread()
-        ):  # Python only signals the main thread
+        # Python runs signal handlers on its main thread only: a trainer run from another thread has none.
+        if self.enabled and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._handle)
 
     def on_step_begin(self, args, state, control, **kwargs):
