@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from tests.helpers.fault_runs import FAULT_TRAIN, WORLD, _results, _state, launch, launch_processes
-from tests.helpers.paths import ROOT
 
 P2P_TIMEOUT = 3.0
 DETECT_MARGIN = 10.0  # the lost-peer diagnosis (1.5 s) on a 2-core machine at load 10
@@ -146,35 +145,8 @@ def torchrun(out, *launcher_args, timeout=150, launcher=("-m", "torch.distribute
     )
 
 
-RESTARTING_LAUNCHERS = {
-    # torchrun's c10d rendezvous and accelerate's static one hand the store to the workers differently.
-    "torchrun": (("-m", "torch.distributed.run"), ["--standalone", "--nproc_per_node", str(WORLD)]),
-    "accelerate": (
-        ("-m", "accelerate.commands.launch"),
-        ["--config_file", os.path.join(ROOT, "recipes", "accelerate_configs", "cpu.yaml")],
-    ),
-}
-
-
-# torchrun's restarts (c10d rendezvous, two nodes) are tests/e2e/test_multinode.py's.
-@pytest.mark.parametrize("launcher", ["accelerate"])
-def test_restarted_job_resumes_by_itself_and_ends_with_the_uninterrupted_weights(
-    tmp_path, reference, launcher
-):
-    """Rank 1 killed at step 6 under --max_restarts 1: the agent restarts every worker, which resume from
-    checkpoint-4 (no resume option given) and finish as the uninterrupted run did."""
-    out = tmp_path / "run"
-    out.mkdir()
-    module, args = RESTARTING_LAUNCHERS[launcher]
-    restarts = ["--max-restarts", "1"] if launcher == "torchrun" else ["--max_restarts", "1"]
-    proc = torchrun(out, *args, *restarts, launcher=module, timeout=300, FAULT="kill-step:6:1")
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-5000:]
-    assert "sending SIGKILL to myself" in text  # the fault did strike the first attempt
-    restarted = text.count("a restart of this job: resuming from the newest intact checkpoint")
-    assert restarted == WORLD, text[-5000:]
-    assert f"Restarted job: resuming {out}/checkpoint-4." in text
-    assert_same_as_reference(reference, _results(out))
+# Restarts under --max-restarts (torchrun's c10d rendezvous and accelerate's static one, two machines each)
+# are tests/e2e/test_multinode.py's.
 
 
 # ------------------------------------------------------------------------------------------- SIGTERM
@@ -209,16 +181,16 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_same_command_resumes_bit_id
     print(f"SIGTERM at monotonic {signalled}: checkpoint-{step} written {max(latency):.2f} s after it")
     assert len(latency) == WORLD and max(latency) < 30, latency  # within torchrun's (and Slurm's) grace
     assert not _results(out)  # no rank wrote final results: training stopped before max_steps
-    proc = torchrun(out, *args, timeout=300, RESUME="auto")  # the requeued job: the same command line
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-5000:]
-    assert f"resume_from_checkpoint=auto: resuming {out}/checkpoint-{step}." in text
-    assert_same_as_reference(reference, _results(out))
+    # The requeued job: the same run, resume 'auto' (its ranks forked: torchrun's start-up is tested above)
+    codes, _, logs, resumed = launch(out, RESUME="auto")
+    assert codes == [0] * WORLD, logs
+    assert f"resume_from_checkpoint=auto: resuming {out}/checkpoint-{step}." in logs[0]
+    assert_same_as_reference(reference, resumed)
 
 
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, reference):
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """A signal that reaches one worker only (no agent forwards it): the flag it raises stops the others
-    at the same step, every rank exits 143, and the resume ends as the uninterrupted run did."""
+    at the same step, every rank exits 143, and that step's checkpoint is complete."""
     out = tmp_path / "run"
     codes, _, logs, _ = launch(out, RESUME="auto", FAULT="sigterm-self:3:2")
     assert codes == [143] * WORLD, (codes, [log[-2000:] for log in logs])
@@ -226,9 +198,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, referen
     assert step in (3, 4), logs[2][-3000:]  # raised during step 3: saved after step 3 or 4
     for log in logs:
         assert f"preempted after step {step}" in log, log[-3000:]
-    codes, _, logs, resumed = launch(out, RESUME="auto")
-    assert codes == [0] * WORLD, logs
-    assert_same_as_reference(reference, resumed)
+    assert (out / f"checkpoint-{step}" / "noloco_checksums.json").exists()  # complete: every rank wrote
 
 
 def test_torchrun_ends_the_whole_job_when_a_rank_is_killed(tmp_path):

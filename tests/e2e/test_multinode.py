@@ -228,11 +228,14 @@ def test_two_torchrun_nodes_restart_after_a_killed_worker_and_train_like_one_lau
     _assert_same_training(one_launch, _results(out), resumed=True)
 
 
-def test_accelerate_multi_node_config_trains_like_one_launch(recipe, one_launch):
-    """recipes/accelerate_configs/multi_node.yaml as documented, on a machine without GPUs: the script falls
-    back to gloo on the CPU by itself. `--mixed_precision no` keeps the comparison with the fp32 reference
-    exact
-    (the YAML asks for bf16, meant for the GPUs it is written for)."""
+def test_accelerate_multi_node_config_restarts_after_a_killed_worker_and_trains_like_one_launch(
+    recipe, one_launch
+):
+    """recipes/accelerate_configs/multi_node.yaml as documented (static rendezvous), with `--max_restarts 1`
+    on both machines, on a machine without GPUs: the script falls back to gloo on the CPU by itself. A worker
+    of machine 1 killed at step 5 makes both launchers restart their workers, which resume checkpoint-3 and
+    end bit for bit as one uninterrupted launch. `--mixed_precision no` keeps the comparison with the fp32
+    reference exact (the YAML asks for bf16, meant for the GPUs it is written for)."""
     out, port = recipe / "accelerate-2-nodes", free_port()
     _run_together(
         recipe,
@@ -255,9 +258,17 @@ def test_accelerate_multi_node_config_trains_like_one_launch(recipe, one_launch)
                 str(port),
                 "--mixed_precision",
                 "no",
+                "--max_restarts",
+                "1",
                 *_train_command(recipe, out),
+                "--save_steps",
+                "3",
             ]
             for rank in (0, 1)
         },
+        node_env={"node1": {"HF_NOLOCO_TEST_KILL": "5:1", "PYTHONPATH": _with_inject()}},
     )
-    _assert_same_training(one_launch, _results(out))
+    logs = "".join((recipe / f"node{rank}.log").read_text() for rank in (0, 1))
+    assert "sitecustomize: SIGKILL to myself at step 5" in logs  # the fault struck the first attempt
+    assert f"Restarted job: resuming {out}/checkpoint-3." in logs, logs[-4000:]
+    _assert_same_training(one_launch, _results(out), resumed=True)
