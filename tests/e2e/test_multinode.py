@@ -263,6 +263,10 @@ def test_accelerate_multi_node_config_restarts_after_a_killed_worker_and_trains_
                 *_train_command(recipe, out),
                 "--save_steps",
                 "3",
+                # A static rendezvous tells machine 0's launcher nothing: it restarts once its own workers
+                # fail, which a worker waiting on the lost one does within p2p_timeout.
+                "--p2p_timeout",
+                "10",
             ]
             for rank in (0, 1)
         },
