@@ -16,19 +16,11 @@ import pytest
 import yaml
 
 from tests.helpers.paths import ROOT
+from tests.helpers.tiny_models import RECIPE_MODEL
 
 TRAIN = os.path.join(ROOT, "recipes", "train.py")
 
-TINY_MODEL = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+TINY_MODEL = RECIPE_MODEL
 
 
 def base_recipe(tmp, launched: bool) -> dict:

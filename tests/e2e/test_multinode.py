@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from hf_noloco.launch.local_launch import free_port, run_distributed
 from tests.helpers.paths import ROOT
+from tests.helpers.tiny_models import RECIPE_MODEL
 
 TRAIN = os.path.join(ROOT, "recipes", "train.py")
 MULTI_NODE = os.path.join(ROOT, "recipes", "accelerate_configs", "multi_node.yaml")
@@ -50,16 +51,7 @@ def recipe(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multinode")
     (tmp / "corpus.txt").write_text("\n\n".join(topics[k] for k in sorted(topics)[:12]))
     settings = {
-        "model_config": {
-            "model_type": "llama",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "max_position_embeddings": 64,
-            "tie_word_embeddings": False,
-        },
+        "model_config": dict(RECIPE_MODEL),
         "tokenizer_vocab_size": 300,
         "max_length": 32,
         "dataset_name": str(tmp / "corpus.txt"),

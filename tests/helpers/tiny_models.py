@@ -4,6 +4,17 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 VOCAB = 96
+# The model_config of the tiny recipes the command-line tests write (a recipe's `model_config:` key).
+RECIPE_MODEL = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 
 
 def tiny_config(family: str = "llama", layers: int = 4, hidden: int = 32):
