@@ -12,6 +12,12 @@ The same seeded run four times (8 gloo processes, one thread each):
 - ``continue``: the same, with the same rank killed at the same step. Its column is dropped; the six other
   processes train on to ``max_steps`` with three replicas.
 
+``--join`` runs a third arm instead of the restart: ``continue + join``, the ``continue`` run whose lost column
+is launched again with ``column_launch --join`` as soon as the victim is dead. Reported: the time from that
+launch to the replacement's first trained step (and its start-up alone), the bytes copied, the survivors'
+pause (the step during which the replacement was admitted, minus the median step), the tokens never trained
+and the final perplexity against the uninterrupted and the continue-only runs of the same invocation.
+
 Reported for ``stop+restart``, against the uninterrupted job:
 
 - tokens lost: the steps the first attempt had finished after its last checkpoint, trained again (times the
@@ -30,6 +36,7 @@ perplexity (three replicas train the last steps, so it need not equal the uninte
     python benchmarks/faults.py           # 96 steps, checkpoints every 32, rank 5 killed at step 56 (~10 min)
     python benchmarks/faults.py --quick   # 16 steps (~4 min): checks the machinery
     python benchmarks/faults.py --exit-statuses 10   # the killed-worker column launch 10 times: statuses
+    python benchmarks/faults.py --join    # uninterrupted, continue, continue + join (the replacement at once)
 
 Writes benchmarks/results/faults.json (faults_quick.json with --quick). The model, corpus and optimizer
 settings are the convergence study's (benchmarks/studies/factorial.yaml, arm noloco-H8-a0.3).
@@ -88,6 +95,7 @@ def worker(plan_path: str) -> None:
 
     from hf_noloco.config import NoLoCoConfig
     from hf_noloco.resilience import elastic
+    from hf_noloco.resilience.joining import is_joining
     from hf_noloco.resilience.membership import ReplicaDropped
     from hf_noloco.trainer import NoLoCoTrainer
 
@@ -143,7 +151,7 @@ def worker(plan_path: str) -> None:
             timeline["train_begin"], timeline["start_step"] = time.time(), state.global_step
 
         def on_step_begin(self, args, state, control, **kwargs):
-            strike = plan["fault"] and not restarted and rank == plan["victim"]
+            strike = plan["fault"] and not restarted and rank == plan["victim"] and not is_joining()
             if strike and state.global_step + 1 == plan["kill"]:
                 with open(os.path.join(plan["out"], "killed_at.json"), "w") as f:
                     json.dump({"time": time.time(), "step": plan["kill"], "rank": rank}, f)
@@ -160,7 +168,11 @@ def worker(plan_path: str) -> None:
         os._exit(0)
     timeline["train_end"] = time.time()
     timeline["tokens_seen"] = trainer.tokens_seen
+    timeline["joins"] = trainer.live_replicas.joins
     metrics = trainer.evaluate(eval_)
+    if is_joining():  # the replacement column's timeline (its first step, what it received)
+        with open(os.path.join(plan["out"], f"timeline-join-rank{rank}.json"), "w") as f:
+            json.dump(timeline, f)
     if rank == 0:
         timeline["eval_perplexity"] = metrics["eval_perplexity"]
         timeline["losses"] = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
@@ -239,11 +251,64 @@ def run_columns_job(plan: dict, work: str, name: str) -> dict:
         command += [os.path.abspath(__file__), "--worker", plan_path]
         log = open(os.path.join(work, f"{name}-column{column}.log"), "w")  # noqa: SIM115 - closed below
         launches.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    replacement = None
+    if plan.get("join"):  # the lost column's replacement, started as soon as the victim is dead
+        killed = os.path.join(out, "killed_at.json")
+        while not os.path.exists(killed) and all(proc.poll() is None for proc, _ in launches[1:]):
+            time.sleep(0.05)
+        column = plan["victim"] // PP
+        command = [sys.executable, "-m", "hf_noloco.column_launch", "--store", f"127.0.0.1:{port}", "--join"]
+        command += ["--column", str(column), "--columns", str(DP), "--stages", str(PP)]
+        command += [os.path.abspath(__file__), "--worker", plan_path]
+        log = open(os.path.join(work, f"{name}-join{column}.log"), "w")  # noqa: SIM115 - closed below
+        replacement = time.time()
+        launches.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     codes = []
     for proc, log in launches:
         codes.append(proc.wait(timeout=1800))
         log.close()
-    return _job_record(out, started, time.time() - started, load_before, launch_exit_codes=codes)
+    record = _job_record(out, started, time.time() - started, load_before, launch_exit_codes=codes)
+    if replacement is not None:
+        record["replacement_launched"] = replacement
+        record["join_timelines"] = {}
+        for rank in range(plan["victim"] // PP * PP, plan["victim"] // PP * PP + PP):
+            with open(os.path.join(out, f"timeline-join-rank{rank}.json")) as f:
+                record["join_timelines"][rank] = json.load(f)
+    return record
+
+
+def summarize_join(plain: dict, kept: dict, joined: dict, tokens_per_step: int) -> dict:
+    """The continue + join run against the uninterrupted torchrun job and the continue-only run."""
+    final, straight = joined["timelines"][1], plain["timelines"][1]
+    joiners = joined["join_timelines"]
+    first = {r: min(int(k) for k in t["step_end"]) for r, t in joiners.items()}
+    first_end = max(t["step_end"][str(first[r])] for r, t in joiners.items())
+    join_step = next(iter(first.values())) - 1  # the state the replacement started from
+    ends = {int(k): v for k, v in final["step_end"].items()}
+    steps = sorted(ends)
+    normal = sorted(ends[s] - ends[s - 1] for s in steps[1:] if s - 1 in ends)
+    normal_step_s = normal[len(normal) // 2]
+    return {
+        "killed_rank": joined["killed"]["rank"],
+        "killed_at_step": joined["killed"]["step"],
+        "launch_exit_codes": joined["launch_exit_codes"],
+        "joined_after_step": join_step,
+        "launch_to_first_trained_step_s": first_end - joined["replacement_launched"],
+        "kill_to_replacement_launch_s": joined["replacement_launched"] - joined["killed"]["time"],
+        "replacement_startup_s": min(t["train_begin"] - t["process_start"] for t in joiners.values()),
+        "bytes_copied": sum(j["bytes"] for t in joiners.values() for j in t["joins"]),
+        "copy_s": max(j["seconds"] for t in joiners.values() for j in t["joins"]),
+        "survivors_pause_s": ends[join_step + 1] - ends[join_step] - normal_step_s,
+        "median_step_s": normal_step_s,
+        "tokens_trained": final["tokens_seen"],
+        "tokens_not_trained": tokens_per_step * len(ends) - final["tokens_seen"],
+        "wall_time_vs_continue_s": joined["wall_s"] - kept["wall_s"],
+        "final_perplexity": final["eval_perplexity"],
+        "continue_final_perplexity": kept["timelines"][1]["eval_perplexity"],
+        "uninterrupted_final_perplexity": straight["eval_perplexity"],
+        "perplexity_ratio": final["eval_perplexity"] / straight["eval_perplexity"],
+        "continue_perplexity_ratio": kept["timelines"][1]["eval_perplexity"] / straight["eval_perplexity"],
+    }
 
 
 def summarize_continue(plain: dict, steady: dict, faulty: dict, tokens_per_step: int) -> dict:
@@ -376,6 +441,12 @@ def main() -> None:
         help="only run N 'continue' jobs with the kill (16 steps, rank 5 killed at step 6, checkpoints at 8 "
         "and 16, after the loss) and record every launch's exit status: survivors' launches must all exit 0",
     )
+    parser.add_argument(
+        "--join",
+        action="store_true",
+        help="only the uninterrupted job, the 'continue' job and 'continue + join' (the killed column's "
+        "replacement launched with --join as soon as the victim dies); writes faults_join.json",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.worker:
@@ -400,6 +471,8 @@ def main() -> None:
             "kill": settings["kill_step"],
             "victim": settings["victim"],
         }
+        if cli.join:
+            return join_arm(plan, work, settings, tokens_per_step, cli.quick)
         runs = []
         for repeat in range(cli.repeats):
             plain = run_job(dict(plan, fault=False), work, f"uninterrupted-{repeat}")
@@ -436,6 +509,31 @@ def main() -> None:
     }
     os.makedirs(RESULTS_DIR, exist_ok=True)
     path = os.path.join(RESULTS_DIR, "faults_quick.json" if cli.quick else "faults.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+def join_arm(plan: dict, work: str, settings: dict, tokens_per_step: int, quick: bool) -> None:
+    plain = run_job(dict(plan, fault=False), work, "uninterrupted")
+    kept = run_columns_job(dict(plan, fault=True), work, "continue")
+    joined = run_columns_job(dict(plan, fault=True, join=True), work, "continue-join")
+    summary = summarize_join(plain, kept, joined, tokens_per_step)
+    print(json.dumps(summary, indent=1), flush=True)
+    result = {
+        "benchmark": "faults --join",
+        "mesh": {"dp": DP, "pp": PP, "processes": DP * PP},
+        "model": dict(MODEL, parameters=count_parameters(MODEL)),
+        "settings": dict(
+            settings, tokens_per_step=tokens_per_step, block_size=BLOCK, global_batch=GLOBAL_BATCH
+        ),
+        "launch": "python -m hf_noloco.column_launch ... (x4), then --column 2 --join when rank 5 is killed",
+        "machine": machine(),
+        "summary": summary,
+        "runs": {"uninterrupted": plain, "continue": kept, "continue_join": joined},
+    }
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, "faults_join_quick.json" if quick else "faults_join.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")

@@ -34,6 +34,7 @@ from hf_noloco.components.checkpointer import RunCheckpointer
 from hf_noloco.components.column_stats import clip_gradients_, column_stats, nonfinite_report
 from hf_noloco.components.evaluation import evaluate_pipeline
 from hf_noloco.components.inputs import check_dataset_size, check_trainer_inputs
+from hf_noloco.components.live_replicas import LiveReplicas
 from hf_noloco.components.loaders import ReplicaLoaders
 from hf_noloco.components.metrics import Throughput, mean_training_loss, outer_log_entries, replica_divergence
 from hf_noloco.components.run_record import RunConfigCallback, finish_wandb
@@ -50,6 +51,7 @@ from hf_noloco.io import checkpoint
 from hf_noloco.outer.compression import wire_bytes
 from hf_noloco.outer.optimizer import OuterOptimizer, broadcast_replica_weights
 from hf_noloco.resilience import elastic
+from hf_noloco.resilience.joining import is_joining
 from hf_noloco.resilience.membership import ReplicaDropped
 from hf_noloco.resilience.policy import replica_loss_policy
 from hf_noloco.resilience.preemption import Preemption
@@ -112,7 +114,8 @@ class NoLoCoTrainer(Trainer):
         args._setup_devices  # noqa: B018 - joins the process group when launched (Accelerate)
         ensure_process_group(args.ddp_timeout)  # a plain `python script.py`: a one-process group
         # Set-up (loading a stage, the first broadcast) may be slow on some nodes: ddp_timeout until training.
-        self.mesh = PipelineMesh.build(args.pipeline_stages, device=args.device, timeout=args.ddp_timeout)
+        joining = is_joining()  # a column joining a live run: its state comes from a live replica
+        self.mesh = PipelineMesh.build(args.pipeline_stages, args.device, args.ddp_timeout, joining)
         self.base_model = (
             model
             if isinstance(model, str)
@@ -128,7 +131,9 @@ class NoLoCoTrainer(Trainer):
             args.stage_balance,
             args.seed,
             args.model_init_kwargs,
-            check=(lambda config: self._verify_split(config, args)) if args.verify_split else None,
+            check=(lambda config: self._verify_split(config, args))
+            if args.verify_split and not joining
+            else None,
         )
         stage = built.stage
         self.base_model_folder = built.folder  # a fine-tuned checkpoint's files (its card, its license)
@@ -144,9 +149,11 @@ class NoLoCoTrainer(Trainer):
                 layer.compile(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
         # With adapters, every replica read the same frozen base weights: only the adapters need to agree.
         trained = adapters.trainable_state_dict(stage).values() if self.peft_config else None
-        broadcast_replica_weights(stage if trained is None else nn.ParameterList(trained), self.mesh)
+        if not joining:  # (a joiner's split was verified by the run; its tied ends are checked on resume)
+            broadcast_replica_weights(stage if trained is None else nn.ParameterList(trained), self.mesh)
         self.tied = TiedEmbeddings(stage, self.mesh)
-        self.tied.check_equal()
+        if not joining:
+            self.tied.check_equal()
         check_dataset_size(train_dataset, self.mesh.num_replicas * args.per_device_train_batch_size)
         super().__init__(
             model=stage,
@@ -186,8 +193,9 @@ class NoLoCoTrainer(Trainer):
         self._skipped_since_log = 0  # steps this rank skipped since the last log (a replica lost meanwhile)
         # Set-up is over: from here on no rank should wait for another longer than p2p_timeout.
         self.mesh.set_timeout(args.p2p_timeout)
+        self.live_replicas = LiveReplicas(self)
         self.replica_loss = replica_loss_policy(
-            args.on_replica_loss, self.mesh, args.p2p_timeout, self._on_live_replicas_changed
+            args.on_replica_loss, self.mesh, args.p2p_timeout, self.live_replicas, joining, args.ddp_timeout
         )
         self.preemption = Preemption.of(self)  # SIGTERM: a checkpoint, then the end (enable_jit_checkpoint)
         for callback in (RunConfigCallback(self), self.preemption):
@@ -275,9 +283,11 @@ class NoLoCoTrainer(Trainer):
 
         Workers that a launcher restarted after a worker of the job failed (``torchrun --max-restarts N``,
         ``accelerate launch --max_restarts N``) resume from the newest intact checkpoint in ``output_dir`` by
-        themselves, or start over when the failed attempt saved none."""
-        auto = resume_from_checkpoint == "auto"  # a requeued job resumes, a first one starts
-        restarted = auto or not resume_from_checkpoint and elastic.agreed_restart(self.mesh)
+        themselves, or start over when the failed attempt saved none. A column that joined a live run resumes
+        from the state its donor sent, whatever ``resume_from_checkpoint`` says."""
+        joined = self.live_replicas.resume_folder  # a joined column's copy of its donor's state
+        auto = resume_from_checkpoint == "auto" and not joined  # a requeued job resumes, a first one starts
+        restarted = auto or not (resume_from_checkpoint or joined) and elastic.agreed_restart(self.mesh)
         if restarted and not auto:
             logger.warning(
                 "%s: a restart of this job: resuming from the newest intact checkpoint in %s, if any.",
@@ -285,14 +295,16 @@ class NoLoCoTrainer(Trainer):
                 self.args.output_dir,
             )
             resume_from_checkpoint = True
-        if not resume_from_checkpoint and checkpoint.checkpoints_in(self.args.output_dir):
+        if not (resume_from_checkpoint or joined) and checkpoint.checkpoints_in(self.args.output_dir):
             raise ValueError(
                 f"{self.args.output_dir} already holds checkpoints of a run. Resume it with "
                 "resume_from_checkpoint=True (or 'auto', for a fresh output_dir too), or choose another one."
             )
         try:
-            if resume_from_checkpoint:
-                resume_from_checkpoint = self._verified_checkpoint(resume_from_checkpoint, restarted)
+            if joined or resume_from_checkpoint:
+                resume_from_checkpoint = joined or self._verified_checkpoint(
+                    resume_from_checkpoint, restarted
+                )
             result = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
             if self.outer is not None:  # an overlapped outer step still in flight: apply it now
                 self.outer.finish_outer_step()
@@ -327,6 +339,7 @@ class NoLoCoTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.replica_loss.begin_step()
         step = self.state.global_step + 1
+        self.preemption.begin_step(step)
         counters = (self.engine.step_index, self.engine.samples_seen)
         return self.replica_loss.tolerate(
             f"step {step}",
@@ -346,20 +359,6 @@ class NoLoCoTrainer(Trainer):
         self._grad_norm = torch.zeros((), device=self.args.device)
         self._skipped_since_log += 1
         return torch.zeros((), device=self.args.device)
-
-    def _on_live_replicas_changed(self, live: list[int]) -> None:
-        """A new view of the live replicas takes effect (on every live rank, at a fence): new process groups
-        among them, and routing drawn over them (gossip draws over ``mesh.live_replicas`` by itself). The
-        members have just met in the store but may be slow to reach the groups on a loaded machine, and a
-        group made again after a timeout reads the failed attempt's addresses from the same store keys: so
-        the groups get ``max(60, 2 * p2p_timeout)`` seconds (at most ``ddp_timeout``)."""
-        args = self.args
-        with self.mesh.patient(min(args.ddp_timeout, max(60.0, 2 * args.p2p_timeout))):
-            self.mesh.regroup(live)
-        self.engine.router = Router(
-            self.mesh.num_replicas, args.routing, args.routing_seed, live=self.mesh.live_replicas
-        )
-        self.mesh.set_timeout(args.p2p_timeout)
 
     def _training_step(self, inputs, step: int) -> torch.Tensor:
         self.model.train()
@@ -522,6 +521,7 @@ class NoLoCoTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, folder):
         if folder is not None:
             self.checkpointer.load_optimizer_state(folder)
+            self.live_replicas.resumed()  # a joined column's copy is read: it goes
 
     # ------------------------------------------------------------------------------------------ export
 

@@ -89,21 +89,21 @@ class RunCheckpointer:
         inner = [name_of[id(p)] for group in t.outer.param_groups for p in group["params"]]
         return {"inner": list(dict.fromkeys(inner)), "outer": [name_of[id(p)] for p in t.outer.params]}
 
-    def _write_rank_state(self, folder: str) -> list[str]:
+    def rank_state(self) -> tuple[dict, dict]:
+        """This rank's optimizer state (with its parameters' names) and pipeline state (routing counters,
+        tokens seen, the stream position), as its checkpoint folder holds them."""
         t = self.trainer
         pipeline_state = {"engine": t.engine.state_dict(), "tokens_seen": t.throughput.state_dict()}
         stream = t.loaders.stream_state()
         if stream is not None:
             pipeline_state["stream"] = stream
-        optimizer_state = dict(t.optimizer.state_dict(), **{regather.NAMES: self._param_names()})
-        checkpoint.save_rank_state(
-            folder,
-            t.mesh,
-            t.model,
-            optimizer_state,
-            pipeline_state,
-            trainable_only=t.peft_config is not None,
-        )
+        return dict(t.optimizer.state_dict(), **{regather.NAMES: self._param_names()}), pipeline_state
+
+    def _write_rank_state(self, folder: str) -> list[str]:
+        t = self.trainer
+        optimizer_state, pipeline_state = self.rank_state()
+        weights = checkpoint.rank_weights(t.model, trainable_only=t.peft_config is not None)
+        checkpoint.save_rank_files(folder, t.mesh, weights, optimizer_state, pipeline_state)
         t._save_rng_state(folder)
         # The Trainer's name for this process's RNG file (beside the rank folders): recorded in its checksums.
         return ["rng_state.pth" if t.args.world_size <= 1 else f"rng_state_{t.args.process_index}.pth"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hf_noloco.data.streaming import TokenStream
+from hf_noloco.resilience.joining import is_joining
 from hf_noloco.rules import check_merge_adapter, check_streamed_training
 
 
@@ -20,6 +21,12 @@ def check_trainer_inputs(model, args, train_dataset, peft_config, kwargs: dict) 
             )
     if isinstance(train_dataset, TokenStream):
         check_streamed_training(args.max_steps, args.dataloader_num_workers)
+        if is_joining():
+            raise ValueError(
+                "column_launch --join resumes its replica's shard at the run's step, which a dataset gives "
+                "and a stream does not (its position is its replica's own, lost with it): resume the run "
+                "from its newest checkpoint instead (on_replica_loss docs)."
+            )
     for name in ("compute_metrics", "preprocess_logits_for_metrics", "model_init"):
         if kwargs.get(name) is not None:
             raise ValueError(

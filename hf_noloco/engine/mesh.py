@@ -50,6 +50,10 @@ class PipelineMesh:
     timeout: float = 1800.0  # seconds every collective and message may wait now (see set_timeout)
     live_replicas: list[int] = field(default_factory=list)
     world_group: dist.ProcessGroup | None = None
+    backend: str = (
+        ""  # the groups' backend (gloo/nccl): the default group's, unless it is a joiner's stand-in
+    )
+    view: int = 0  # the view of the live replicas the groups were made for (0: the run's first)
     _background_group: dist.ProcessGroup | None = field(default=None, repr=False)
     _has_background_group: bool = field(default=False, repr=False)
     _groups: list = field(default_factory=list, repr=False)  # every group made here (None: the default one)
@@ -58,15 +62,41 @@ class PipelineMesh:
         if not self.live_replicas:
             self.live_replicas = list(range(self.num_replicas))
         self._groups = [None, self.replica_group, self.column_group]
+        if not self.backend:
+            self.backend = dist.get_backend() if dist.is_initialized() else "gloo"
 
-    def _new_group(self, ranks: list[int], **kwargs) -> dist.ProcessGroup:
-        group = dist.new_group(ranks, timeout=timedelta(seconds=self._backend_timeout()), **kwargs)
+    def _new_group(self, ranks: list[int]) -> dist.ProcessGroup:
+        """A group of the first view: made by every rank of the run together (``new_group`` is collective)."""
+        group = dist.new_group(ranks, timeout=timedelta(seconds=self._backend_timeout()))
         if self.rank in ranks:
             self._groups.append(group)
         return group
 
+    def _members_group(self, ranks: list[int], name: str) -> dist.ProcessGroup:
+        """A group of a later view, made by its members only, under a name of that view. ``new_group`` with
+        ``use_local_synchronization`` names a group by its ranks and the number of groups the process made
+        before: a replica that joined made fewer than the others, and the same ranks recur once a lost
+        column is back, so the name is ours. Through torch's private helper, as ``new_group`` does."""
+        helper = getattr(dist.distributed_c10d, "_new_process_group_helper", None)
+        if helper is None:
+            raise RuntimeError(
+                "on_replica_loss='continue' needs a torch with _new_process_group_helper (2.4+)."
+            )
+        group, _ = helper(
+            len(ranks),
+            ranks.index(self.rank),
+            ranks,
+            self.backend,
+            dist.distributed_c10d._get_default_store(),
+            dist.distributed_c10d.GroupName(f"hf_noloco/view-{self.view}/{name}"),
+            timeout=timedelta(seconds=self._backend_timeout()),
+        )
+        dist.distributed_c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(ranks)}
+        self._groups.append(group)
+        return group
+
     def _backend_timeout(self) -> float:
-        return group_timeout(dist.get_backend(), self.timeout).total_seconds()
+        return group_timeout(self.backend, self.timeout).total_seconds()
 
     def set_timeout(self, seconds: float) -> None:
         """Bounds every collective and message of every group this rank uses by ``seconds`` from now on (see
@@ -103,22 +133,33 @@ class PipelineMesh:
 
     @classmethod
     def build(
-        cls, pipeline_stages: int, device: torch.device | str | None = None, timeout: float | None = None
+        cls,
+        pipeline_stages: int,
+        device: torch.device | str | None = None,
+        timeout: float | None = None,
+        joining: bool = False,
     ) -> PipelineMesh:
         """Builds the mesh over the default process group, which must already be initialised. ``timeout``
         (seconds) bounds the new groups' collectives; by default they get torch's default for the backend
-        (NCCL:
-        10 minutes), not the default group's."""
+        (NCCL: 10 minutes), not the default group's. ``joining``: this process joins a live run
+        (:mod:`hf_noloco.resilience.joining`): it has no group until it is admitted (:meth:`regroup`)."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: launch with `accelerate launch` or `torchrun`."
             )
         world_size = dist.get_world_size()
         num_replicas, num_stages = mesh_shape(world_size, pipeline_stages)
-        device = torch.device(device) if device is not None else _default_device()
-        mesh = cls(dist.get_rank(), world_size, num_stages, num_replicas, None, None, device)
+        device = torch.device(device) if device is not None else _default_device(joining)
+        backend = ("nccl" if device.type == "cuda" else "gloo") if joining else ""
+        mesh = cls(dist.get_rank(), world_size, num_stages, num_replicas, None, None, device, backend=backend)
+        if joining:
+            mesh._groups = []  # its default group is a stand-in that communicates with no one
         if timeout is not None:
             mesh.set_timeout(timeout)
+        use_stream_waits(mesh.backend == "nccl")
+        if joining:
+            mesh.live_replicas = []  # none yet: the view that admits this column says
+            return mesh
         # Every rank must create every group in the same order (new_group is collective).
         for stage in range(num_stages):
             ranks = [rank_of(r, stage, num_stages) for r in range(num_replicas)]
@@ -130,7 +171,6 @@ class PipelineMesh:
             group = mesh._new_group(ranks)
             if mesh.rank in ranks:
                 mesh.column_group = group
-        use_stream_waits(dist.get_backend() == "nccl")
         # torch requires every rank of a group in its first batched point-to-point call; with tied embeddings
         # and 3+ stages the first one (the gradient sum) involves only the first and last stages. A barrier
         # makes the first operation on the default group one of every rank.
@@ -140,7 +180,8 @@ class PipelineMesh:
     def background_replica_group(self) -> dist.ProcessGroup | None:
         """A second process group over this stage's replicas, made on first use and kept: the overlapped
         outer sync runs there, so its messages never queue behind (or ahead of) the pipeline's. Collective
-        the first time: every rank of the world must call it together."""
+        the first time: every rank of the world calls it together (a later view's is made by
+        :meth:`regroup`)."""
         if not self._has_background_group:
             for stage in range(self.num_stages):
                 ranks = [rank_of(r, stage, self.num_stages) for r in range(self.num_replicas)]
@@ -150,16 +191,20 @@ class PipelineMesh:
             self._has_background_group = True
         return self._background_group
 
-    def regroup(self, live_replicas: list[int]) -> None:
-        """New groups over the live replicas once others were lost: the run-wide group, this stage's replica
-        group and this column's group, each made by its members only (``use_local_synchronization``: a lost
-        rank takes no part) and fresh, so that nothing left half-done on an old group can match a new
-        message. Every live rank calls it with the same list."""
-        self.live_replicas = sorted(live_replicas)
-        make = lambda ranks: self._new_group(ranks, use_local_synchronization=True)
-        self.world_group = make(self.live_ranks())
-        self.replica_group = make([self.rank_of(r, self.stage) for r in self.live_replicas])
-        self.column_group = make(self.column_ranks())
+    def regroup(self, live_replicas: list[int], view: int, background: bool) -> None:
+        """New groups over the live replicas of ``view`` (others lost, or joined): the run-wide group, this
+        stage's replica group and this column's group (and with ``background``, the overlapped outer sync's),
+        each made by its members only (a lost rank takes no part) and fresh, so that nothing left half-done on
+        an old group can match a new message. Every live rank calls it with the same arguments."""
+        self.live_replicas, self.view = sorted(live_replicas), view
+        self.world_group = self._members_group(self.live_ranks(), "world")
+        ranks = [self.rank_of(r, self.stage) for r in self.live_replicas]
+        self.replica_group = self._members_group(ranks, f"replica-{self.stage}")
+        self.column_group = self._members_group(self.column_ranks(), f"column-{self.replica}")
+        self._background_group = (
+            self._members_group(ranks, f"background-{self.stage}") if background else None
+        )
+        self._has_background_group = background
 
     @property
     def num_live_replicas(self) -> int:
@@ -233,7 +278,7 @@ def ensure_process_group(timeout_s: float) -> None:
         )
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+def _default_device(joining: bool = False) -> torch.device:
+    if torch.cuda.is_available() and (joining or dist.get_backend() == "nccl"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

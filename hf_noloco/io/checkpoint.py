@@ -169,27 +169,23 @@ def write_checkpoint(
     return final
 
 
-def save_rank_state(
-    folder: str,
-    mesh: PipelineMesh,
-    stage: nn.Module,
-    optimizer_state: dict,
-    pipeline_state: dict,
-    trainable_only: bool = False,
-):
-    """This rank's stage replica: weights, optimizer state and pipeline counters (and the stream position).
-    With ``trainable_only`` only the parameters that train (LoRA adapters) are written: the frozen base comes
-    from the base model again."""
+def rank_weights(stage: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors a rank folder keeps of ``stage``, on the CPU. With ``trainable_only`` only the parameters
+    that train (LoRA adapters): the frozen base comes from the base model again."""
+    if trainable_only:
+        return {k: p.detach().contiguous().cpu() for k, p in stage.named_parameters() if p.requires_grad}
+    aliases = _aliases(stage)  # a tied weight held by one stage: stored once, under its first name
+    return {k: v.detach().contiguous().cpu() for k, v in stage.state_dict().items() if k not in aliases}
+
+
+def save_rank_files(
+    folder: str, mesh: PipelineMesh, weights: dict, optimizer_state: dict, pipeline_state: dict
+) -> None:
+    """Writes this rank's folder of checkpoint ``folder``: its stage replica's weights (:func:`rank_weights`),
+    optimizer state and pipeline counters (and the stream position)."""
     rank_dir = rank_folder(folder, mesh)
     os.makedirs(rank_dir, exist_ok=True)
-    if trainable_only:
-        weights = {k: p.detach().contiguous().cpu() for k, p in stage.named_parameters() if p.requires_grad}
-    else:
-        aliases = _aliases(stage)  # a tied weight held by one stage: stored once, under its first name
-        weights = {
-            k: v.detach().contiguous().cpu() for k, v in stage.state_dict().items() if k not in aliases
-        }
-    save_file(weights, os.path.join(rank_dir, _WEIGHTS))
+    save_file({k: v.cpu() for k, v in weights.items()}, os.path.join(rank_dir, _WEIGHTS))
     torch.save(optimizer_state, os.path.join(rank_dir, _OPTIMIZER))
     torch.save(pipeline_state, os.path.join(rank_dir, _PIPELINE))
 

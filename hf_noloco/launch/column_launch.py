@@ -12,6 +12,13 @@ run through a store that no worker hosts::
     python -m hf_noloco.column_launch --store HOST:29400 --column 1 --columns 4 --stages 2 \\
         recipes/train.py recipes/llama-tiny/noloco.yaml --on_replica_loss continue
 
+A column the run lost (or one never started) joins the live run with its own launch line plus ``--join``: it
+is admitted at a step boundary, copies each stage's state from a live replica, and trains on from the run's
+step (:mod:`hf_noloco.resilience.joining`)::
+
+    python -m hf_noloco.column_launch --store HOST:29400 --column 2 --columns 4 --stages 2 --join \\
+        recipes/train.py recipes/llama-tiny/noloco.yaml --on_replica_loss continue
+
 The store's host is the one process the run cannot lose: when it goes, every column stops at its next step
 with an error naming the store. ``--store-only`` hosts it on a machine of its own (no worker, no GPU), and
 then every column, column 0 included, is an ordinary one that the run can lose::
@@ -34,6 +41,8 @@ import sys
 import time
 from datetime import timedelta
 
+from hf_noloco.resilience.joining import JOIN_ENV
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -54,6 +63,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Host the store and start no worker: a store outside every column, so that the run survives "
         "the loss of any column (the store is then the one process the run cannot lose). It serves until "
         "the run's workers have started and then stopped beating their heartbeats for --linger seconds.",
+    )
+    parser.add_argument(
+        "--join",
+        action="store_true",
+        help="Join the live run as --column (a column it lost, or one never started), with the run's own "
+        "script and arguments: admitted at the run's next step boundary, the column copies its state from a "
+        "live replica of each stage and trains on from the run's step. Not with --host-store.",
+    )
+    parser.add_argument(
+        "--rejoin",
+        type=int,
+        default=0,
+        metavar="N",
+        help="When a worker of this column fails, wait for the column's other processes to leave (the run "
+        "drops the column), then start the column again with --join, up to N times: a column restarted in "
+        "place rejoins the live run. Not with --host-store (the store would go with the failed column).",
     )
     parser.add_argument("--linger", type=float, default=10.0, help="See --host-store (seconds).")
     parser.add_argument(
@@ -82,6 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     if args.script is None:
         parser.error("the training script is required (or --store-only).")
+    if (args.join or args.rejoin) and args.host_store:
+        parser.error("--join and --rejoin join a live run whose store lives elsewhere: give no --host-store.")
+    if args.rejoin < 0:
+        parser.error(f"--rejoin must be 0 or more, got {args.rejoin}.")
     if args.column is None or not 0 <= args.column < args.columns:
         parser.error(f"--column must be in [0, {args.columns}), got {args.column}.")
     return args
@@ -100,6 +129,8 @@ def worker_env(args: argparse.Namespace, stage: int) -> dict[str, str]:
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
     env.pop("TORCHELASTIC_RUN_ID", None)  # not an elastic agent: nothing restarts these processes
+    if args.join:
+        env[JOIN_ENV] = "1"
     if args.stages > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several processes per machine
     return env
@@ -147,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     # while this process imports torch to host the store.
     procs = [subprocess.Popen(command, env=worker_env(args, stage)) for stage in range(args.stages)]
     store = host_store(args.port) if args.host_store else None
+    rejoins = args.rejoin
 
     def forward(signum, frame):
         running = [p for p in procs if p.poll() is None]
@@ -158,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     codes = [p.wait() for p in procs]
+    while rejoins and any(c != 0 for c in codes):
+        rejoins -= 1
+        print(
+            f"column_launch: column {args.column} failed ({codes}); starting it again with --join", flush=True
+        )
+        args.join = True
+        procs[:] = [subprocess.Popen(command, env=worker_env(args, stage)) for stage in range(args.stages)]
+        codes = [p.wait() for p in procs]
     if store is not None:
         serve_until_idle(store, args.columns * args.stages, args.linger)
     failed = [c for c in codes if c != 0]

@@ -21,7 +21,15 @@ communication (the step's gradients dropped, no outer averaging, local logs, no 
 members of the new view meet, make new process groups among themselves (the lost ranks take no part, and no
 operation left half-done on an old group can ever match a new one), and step on.
 
-The pure part, :func:`live_after_loss`, is tested in one process; :class:`Membership` with a real store.
+**Joins.** A column started with ``column_launch --join`` (:mod:`hf_noloco.resilience.joining`) writes one
+request per stage. The leader of the view (the first stage of its first live column) looks for complete
+requests of columns that are not live as each fence begins, and proposes the next view with them live,
+``"at_fence"`` the fence after the one it is about to meet. No rank can pass that fence before the leader
+reaches it, so every rank adopts the view there: nobody goes offline, no step is skipped. The joiners wait
+for their admission, meet the view's members, and are sent their state by ``on_change``.
+
+The pure parts, :func:`live_after_loss` and :func:`complete_requests`, are tested in one process;
+:class:`Membership` with a real store.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from hf_noloco.engine.comm import ViewChange, interrupt_waits_on
+from hf_noloco.engine.comm import LOST_PEER_ERRORS, ViewChange, interrupt_waits_on
 from hf_noloco.resilience.watch import PeerWatch
 
 logger = logging.getLogger(__name__)
@@ -94,6 +102,12 @@ def live_after_loss(live: list[int], lost_ranks: list[int], num_stages: int) -> 
     return [replica for replica in live if replica not in lost_columns]
 
 
+def complete_requests(asked: dict[int, set[int]], live: list[int], num_stages: int) -> list[int]:
+    """The columns to admit: not live, and every one of their ``num_stages`` stages asked to join
+    (``asked``: column -> the stages whose request is in the store)."""
+    return sorted(c for c, stages in asked.items() if c not in live and len(stages) == num_stages)
+
+
 class Membership:
     """The live replica columns of this run, as every live rank agrees on them.
 
@@ -102,8 +116,12 @@ class Membership:
         rank / num_stages / num_replicas: the mesh shape and this rank.
         silence: seconds without a heartbeat after which a rank counts as lost: the trainer passes
             :func:`silence_limit` of ``p2p_timeout``.
-        on_change: called on every live rank with the new live columns when a view takes effect (at a fence);
-            it rebuilds the process groups and whatever draws over the replicas.
+        on_change: called on every live rank with the new view's number, its live columns, the columns that
+            joined in it and the columns live before, when a view takes effect (at a fence); it rebuilds the
+            process groups and whatever draws over the replicas, and copies a joined column's state.
+        joining: this rank's column joins the live run (:mod:`hf_noloco.resilience.joining`): the
+            constructor asks, waits up to ``admission_timeout`` seconds to be admitted, and returns once the
+            view that admits it is in effect.
     """
 
     def __init__(
@@ -113,8 +131,10 @@ class Membership:
         num_stages: int,
         num_replicas: int,
         silence: float,
-        on_change: Callable[[list[int]], None],
+        on_change: Callable[[int, list[int], list[int], list[int]], None],
         poll: float = 0.1,
+        joining: bool = False,
+        admission_timeout: float = 3600.0,
     ):
         if watch.store is None:
             raise RuntimeError("on_replica_loss='continue' needs the rendezvous store, and none was found.")
@@ -129,9 +149,17 @@ class Membership:
         self.interrupted = threading.Event()  # a newer view exists: waits raise, the step goes on offline
         self._beats: dict[int, tuple[int, float]] = {}
         self._stop = threading.Event()
+        self._due: dict | None = None  # a proposed join, taking effect at its "at_fence" (no interruption)
+        self.num_replicas = num_replicas
         interrupt_waits_on(self.interrupted)
+        if joining:
+            with _through_store(self.store, self.rank):
+                self._wait_for_admission(admission_timeout)
         self._thread = threading.Thread(target=self._watch, name="hf_noloco-membership", daemon=True)
         self._thread.start()
+        if joining:
+            with _through_store(self.store, self.rank):
+                self._adopt_next_view()
 
     # ----------------------------------------------------------------------------------------- state
 
@@ -161,8 +189,12 @@ class Membership:
         last_check = 0.0
         while not self._stop.wait(self.poll):
             try:
-                if not self.interrupted.is_set() and self._proposal(self.view + 1) is not None:
-                    self.interrupted.set()
+                if not self.interrupted.is_set() and self._due is None:
+                    proposal = self._proposal(self.view + 1)
+                    if proposal is not None and proposal.get("joined"):
+                        self._due = proposal  # taken at its fence: nothing is interrupted
+                    elif proposal is not None:
+                        self.interrupted.set()
                 # Heartbeats move every interval: reading them more often would only load the store.
                 if not self.interrupted.is_set() and time.monotonic() - last_check >= self.watch.interval:
                     last_check = time.monotonic()
@@ -199,6 +231,70 @@ class Membership:
         self.interrupted.set()
         return won
 
+    # ---------------------------------------------------------------------------------------- joins
+
+    def _request_key(self, column: int, stage: int) -> str:
+        return self._key("ask", column, stage)
+
+    def _admit_joiners(self) -> None:
+        """On the leader, as a fence begins: proposes the next view with every column whose stages all asked
+        to join, effective at the fence after this one."""
+        others = [c for c in range(self.num_replicas) if c not in self.live]
+        keys = [self._request_key(c, s) for c in others for s in range(self.num_stages)]
+        if not keys:
+            return
+        asked: dict[int, set[int]] = {}
+        for c in others:
+            asked[c] = {s for s in range(self.num_stages) if self.store.check([self._request_key(c, s)])}
+        joined = complete_requests(asked, self.live, self.num_stages)
+        if not joined:
+            return
+        proposal = {"live": sorted(self.live + joined), "by": self.rank, "lost": [], "joined": joined}
+        proposal.update(reason=f"columns {joined} joined", at_fence=self._fences + 1)
+        won = json.loads(self.store.compare_set(self._key("view", self.view + 1), "", json.dumps(proposal)))
+        if won.get("joined"):
+            self._due = won
+        else:  # a loss was proposed first: it takes effect, the joiners are admitted after it
+            self.interrupted.set()
+
+    def _wait_for_admission(self, timeout: float) -> None:
+        """A joining rank: asks, then waits for a view that admits its column; afterwards this rank's view
+        is the one before it, and its ``at_fence`` is due now."""
+        view = 0  # views before the request cannot admit it (an earlier join of this column did)
+        while self.store.check([self._key("view", view + 1)]):
+            view += 1
+        self.store.set(self._request_key(self.replica, self.rank % self.num_stages), "1")
+        started = last_check = time.monotonic()
+        while True:
+            proposal = self._proposal(view + 1)
+            if proposal is not None and self.replica in proposal.get("joined", []):
+                view += 1
+                break
+            if proposal is not None:  # another change came first
+                view += 1
+                continue
+            if time.monotonic() - last_check >= self.watch.interval:  # is the run still live?
+                last_check = time.monotonic()
+                live = self._proposal(view)["live"] if view else self.live
+                ranks = [r for r in self.live_ranks(live) if r != self.rank]
+                if len(self.silent_ranks(self.silence, ranks)) == len(ranks):
+                    raise ReplicaDropped(
+                        f"rank {self.rank}: asked to join the run as replica {self.replica}, but no rank of "
+                        f"the run has beaten its heartbeat for {self.silence:g}s: the run is over (or gone)."
+                    )
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(
+                    f"rank {self.rank}: asked to join the run as replica {self.replica} and was not admitted "
+                    f"within {timeout:g}s: is the run live, and is replica {self.replica} not among its live "
+                    "columns (a column is admitted once the run has dropped it)?"
+                )
+            time.sleep(self.poll)
+        self.store.delete_key(self._request_key(self.replica, self.rank % self.num_stages))
+        self.view, self._fences, self._due = view - 1, proposal["at_fence"], proposal
+        self.live = [c for c in proposal["live"] if c not in proposal["joined"]]
+        self._beats.clear()
+        self.watch.start_beating()  # in the lost predecessor's name: from now on this rank is the run's
+
     def failed(self, exc: BaseException, step: int) -> None:
         """Called by a live rank whose communication failed during ``step``: unless a newer view is already
         proposed, finds the ranks whose heartbeat stopped (a killed rank's stops at once: watch a few beats)
@@ -231,11 +327,16 @@ class Membership:
         :class:`ReplicaDropped` on a rank whose column is no longer live, :class:`StoreLost` when the store
         is gone."""
         with _through_store(self.store, self.rank):
+            if self.rank == self.live[0] * self.num_stages and self._due is None:
+                self._admit_joiners()
             while True:
-                if self.interrupted.is_set():
+                if self.interrupted.is_set() or self._join_due():
                     self._adopt_next_view()
                 if self._meet():
                     return
+
+    def _join_due(self) -> bool:
+        return self._due is not None and self._due["at_fence"] <= self._fences
 
     def barrier(self) -> None:
         """A barrier among the live ranks that does not adopt a pending view but raises
@@ -260,7 +361,7 @@ class Membership:
         rank's watch thread or another rank)."""
         pause = 0.0005
         while not self.store.check([key]):
-            if self.interrupted.is_set():
+            if self.interrupted.is_set() or self._join_due():
                 return False
             time.sleep(pause)
             pause = min(pause * 1.5, 0.02)
@@ -273,7 +374,7 @@ class Membership:
             if proposal is None:  # interrupted without a proposal: cannot happen, but never spin
                 self.interrupted.clear()
                 return
-            live = proposal["live"]
+            live, before = proposal["live"], self.live
             if self.replica not in live:
                 raise ReplicaDropped(
                     f"rank {self.rank}: replica {self.replica} was dropped from the run in view "
@@ -284,6 +385,7 @@ class Membership:
             self.live = list(live)
             self._fences = 0
             self._beats.clear()
+            self._due = None
             self.interrupted.clear()
             key = self._key("join", self.view)
             if self.store.add(key, 1) == len(self.live_ranks()):
@@ -291,16 +393,17 @@ class Membership:
             if not self._wait_for(key + "/go"):
                 continue  # a member of this view was lost too: the next view is proposed already
             try:
-                self.on_change(self.live)
-            except Exception as exc:  # noqa: BLE001 - a member lost while the groups were made
+                self.on_change(self.view, self.live, proposal.get("joined", []), before)
+            except LOST_PEER_ERRORS as exc:  # a member lost while the groups were made or a state sent
                 self.failed(exc, -1)
                 continue
             logger.warning(
-                "rank %d: view %d in effect: live replicas %s (%d of the run's columns).",
+                "rank %d: view %d in effect: live replicas %s (%d of the run's columns)%s.",
                 self.rank,
                 self.view,
                 self.live,
                 len(self.live),
+                f"; replicas {proposal['joined']} joined" if proposal.get("joined") else "",
             )
             return
 

@@ -115,8 +115,11 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
 
     Args:
         mesh, watch, p2p_timeout: as :class:`ReplicaLossPolicy`.
-        on_change: called on every live rank with the new live columns when a view takes effect (it makes
-            the new process groups and what draws over the replicas).
+        on_change: called on every live rank when a view takes effect (see
+            :class:`~hf_noloco.resilience.membership.Membership`: it makes the new process groups and what
+            draws over the replicas, and copies a joined column's state).
+        joining / admission_timeout: this rank joins a live run (see
+            :class:`~hf_noloco.resilience.membership.Membership`).
     """
 
     continues = True
@@ -126,7 +129,9 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
         mesh: PipelineMesh,
         watch: PeerWatch,
         p2p_timeout: float,
-        on_change: Callable[[list[int]], None],
+        on_change: Callable[[int, list[int], list[int], list[int]], None],
+        joining: bool = False,
+        admission_timeout: float = 3600.0,
     ):
         super().__init__(mesh, watch, p2p_timeout)
         self.membership = Membership(
@@ -136,6 +141,8 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
             mesh.num_replicas,
             silence=silence_limit(p2p_timeout),
             on_change=on_change,
+            joining=joining,
+            admission_timeout=admission_timeout,
         )
 
     @property
@@ -201,13 +208,19 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
 
 
 def replica_loss_policy(
-    action: str, mesh: PipelineMesh, p2p_timeout: float, on_change: Callable[[list[int]], None]
+    action: str,
+    mesh: PipelineMesh,
+    p2p_timeout: float,
+    on_change: Callable[[int, list[int], list[int], list[int]], None],
+    joining: bool = False,
+    admission_timeout: float = 3600.0,
 ) -> ReplicaLossPolicy:
-    """The policy of ``on_replica_loss`` (``action``), with this rank's heartbeat started."""
+    """The policy of ``on_replica_loss`` (``action``), with this rank's heartbeat started (and, ``joining``,
+    this rank admitted into the live run)."""
     continuing = action == "continue"
     # Under "continue" the heartbeat has a store connection of its own: making a process group blocks the
     # shared one until every member arrives, which would silence the heartbeat meanwhile.
-    watch = PeerWatch(mesh.rank, mesh.world_size, own_connection=continuing)
+    watch = PeerWatch(mesh.rank, mesh.world_size, own_connection=continuing, beating=not joining)
     if continuing:
-        return ContinueAfterReplicaLoss(mesh, watch, p2p_timeout, on_change)
+        return ContinueAfterReplicaLoss(mesh, watch, p2p_timeout, on_change, joining, admission_timeout)
     return ReplicaLossPolicy(mesh, watch, p2p_timeout)

@@ -46,7 +46,7 @@ class Preemption(TrainerCallback):
     def __init__(self, mesh: PipelineMesh, replica_loss, enabled: bool = True):
         self.mesh, self.replica_loss, self.enabled = mesh, replica_loss, enabled
         # Under NCCL a host-side group of its own: reading a device flag would wait for the GPU.
-        gloo = dist.get_backend() == "gloo"
+        gloo = mesh.backend == "gloo"
         self._group = None if gloo or not enabled or mesh.world_size == 1 else dist.new_group(backend="gloo")
         self._signalled_at: float | None = None  # monotonic time of the first SIGTERM
         self._pending: tuple[dist.Work, torch.Tensor, int] | None = None  # (work, flag, view) of this step
@@ -77,11 +77,13 @@ class Preemption(TrainerCallback):
         if self.enabled and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._handle)
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def begin_step(self, step: int) -> None:
+        """Posts ``step``'s all-reduce of the flags. Called by the trainer once the step's fence is passed
+        (not ``on_step_begin``, before it): a view that takes effect at the fence, admitting a column, then
+        has every member post in the same group."""
         if not self.enabled or self.mesh.world_size == 1 or self.replica_loss.offline:
             return
         flag = torch.tensor([0 if self._signalled_at is None else 1], dtype=torch.int32)
-        step = state.global_step + 1
         what = f"{self.mesh.describe()}: all-reduce of the SIGTERM flags, step {step}"
 
         def post() -> dist.Work:

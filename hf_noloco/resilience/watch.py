@@ -41,7 +41,9 @@ class PeerWatch:
     :meth:`watch_peers` then watches every peer's heartbeat from a thread, and a peer silent for ``silence``
     seconds is named by :meth:`raise_if_lost` at the training thread's next host sync (once per step), after
     ``on_lost`` has aborted the communicators that would hang on it.
-    ``store``: the store to use (default: the default process group's).
+    ``store``: the store to use (default: the default process group's). ``beating=False``: the heartbeat
+    starts only with :meth:`start_beating` (a column joining a live run beats in its lost predecessor's name
+    once admitted, not while the run may still be finding that predecessor silent).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class PeerWatch:
         interval: float = 0.5,
         own_connection: bool = False,
         store: dist.Store | None = None,
+        beating: bool = True,
     ):
         self.rank, self.world_size, self.interval = rank, world_size, interval
         self._prefix = "hf_noloco/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -68,7 +71,12 @@ class PeerWatch:
                 self.store = None
                 return
         self._thread = threading.Thread(target=self._beat, name="hf_noloco-heartbeat", daemon=True)
-        self._thread.start()
+        if beating:
+            self._thread.start()
+
+    def start_beating(self) -> None:
+        if not self._thread.is_alive() and not self._stop.is_set():
+            self._thread.start()
 
     def _beat(self) -> None:
         while not self._stop.is_set():

@@ -27,6 +27,7 @@ from hf_noloco.resilience.membership import live_after_loss
 from tests.helpers.fault_runs import FAULT_TRAIN, launch
 
 WORLD, STAGES, MAX_STEPS = 8, 2, 12  # dp = 4 replica columns of 2 stages; outer steps after steps 3, 6, 9, 12
+JOIN_STEPS = 20  # a replacement column joins after the loss at step 5, and trains on
 VICTIM, MATE = 5, 4  # column 2: stage 1 is lost, stage 0 must leave
 SURVIVORS = [0, 1, 2, 3, 6, 7]
 LIVE = [0, 1, 3]
@@ -182,49 +183,88 @@ def test_frozen_rank_is_dropped_after_p2p_timeout(tmp_path, uninterrupted):
     assert time.monotonic() - started < 120
 
 
-def test_column_launches_around_a_store_of_its_own_survive_losing_column_0(tmp_path):
-    """The documented launch: `python -m hf_noloco.column_launch --store-only` hosts the store, and three
-    column launches join it. A worker of column 0 (rank 0's column) is killed: that launch fails, the two
-    others end with status 0, the export is written by the first live column, and the store stops by itself
-    once the workers are gone."""
+def shard_rows(replica: int, steps: int) -> dict[int, list[int]]:
+    """The first row of each step's batch of ``replica``'s shard (fault_train's data, batch and seed), from
+    Accelerate's loader alone: what a replica reads at each step of the first epoch."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator
+
+    from tests.helpers.fault_train import byte_corpus
+
+    loader = DataLoader(byte_corpus(16 * steps), batch_size=4, shuffle=True, collate_fn=default_data_collator)
+    loader = prepare_data_loader(
+        loader, "cpu", num_processes=4, process_index=replica, use_seedable_sampler=True, data_seed=5
+    )
+    return {k + 1: batch["input_ids"][0, :8].tolist() for k, batch in zip(range(steps), loader)}
+
+
+def test_a_replacement_column_joins_the_live_run_and_trains_on_with_four_replicas(tmp_path):
+    """The documented launches: `python -m hf_noloco.column_launch --store-only` hosts the store and four
+    column launches join it, with a fifth launch of column 0 with --join standing by. A worker of column 0
+    (rank 0's column) is killed at step 5: that launch fails, the three others train on, and the stand-by is
+    admitted at a step boundary: it starts from its donor's weights, bit for bit, reads its own shard from the
+    run's step,
+    and the run ends at max_steps with 4 live replicas whose mean is the export. Every launch but the killed
+    one ends with status 0, and the store stops by itself once the workers are gone."""
     out = tmp_path / "run"
     out.mkdir()
     port = free_port()
-    victim, mate = 1, 0  # column 0: stage 1 is lost, stage 0 (rank 0) must leave
-    env = dict(
-        os.environ,
-        **{k: v for k, v in CONTINUE.items() if k != "TORCHELASTIC_USE_AGENT_STORE"},
-        FAULT=f"kill-step:5:{victim}",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    columns = 3  # the victim's column (0) and two that survive it
-    store = ["--store", f"127.0.0.1:{port}", "--columns", str(columns), "--stages", str(STAGES)]
-    commands = {
-        "store": [sys.executable, "-m", "hf_noloco.column_launch", *store, "--store-only", "--linger", "3"]
-    }
-    for column in range(columns):
-        commands[f"launch-{column}"] = [sys.executable, "-m", "hf_noloco.column_launch", *store]
-        commands[f"launch-{column}"] += ["--column", str(column), FAULT_TRAIN, str(out)]
-    launches = {}
-    for name, command in commands.items():
+    env = dict(os.environ, **{k: v for k, v in CONTINUE.items() if k != "TORCHELASTIC_USE_AGENT_STORE"})
+    env.update(MAX_STEPS=str(JOIN_STEPS), RECORD_STEPS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    store = ["--store", f"127.0.0.1:{port}", "--columns", "4", "--stages", str(STAGES)]
+    module = [sys.executable, "-m", "hf_noloco.column_launch", *store]
+    commands = {"store": [*module, "--store-only", "--linger", "3"]}
+    for column in range(4):
+        commands[f"launch-{column}"] = [*module, "--column", str(column), FAULT_TRAIN, str(out)]
+    commands["join-0"] = [*module, "--column", "0", "--join", FAULT_TRAIN, str(out)]
+
+    def start(name, **extra):
         log = open(out / f"{name}.txt", "w")  # noqa: SIM115 - closed below
-        launches[name] = (
-            subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path),
-            log,
-        )
+        proc = subprocess.Popen(commands[name], env=dict(env, **extra), stdout=log, stderr=subprocess.STDOUT)
+        return proc, log
+
+    # The replacement starts with the others: a stand-by that asks at once and is admitted once the run has
+    # dropped column 0 (a tiny run would be over before a replacement started after the kill is set up).
+    launches = {name: start(name, FAULT="kill-step:5:1") for name in commands if name != "join-0"}
+    launches["join-0"] = start("join-0")
     codes = {}
-    for name, (proc, log) in launches.items():
-        try:
+    try:
+        for name, (proc, _) in launches.items():
             codes[name] = proc.wait(timeout=240)
-        finally:
+    finally:
+        for proc, log in launches.values():
             log.close()
             if proc.poll() is None:
                 proc.kill()
     texts = {name: (out / f"{name}.txt").read_text(errors="replace")[-3000:] for name in launches}
-    assert codes == {"store": 0, "launch-0": 128 + signal.SIGKILL, "launch-1": 0, "launch-2": 0}, texts
-    assert (out / "export" / "model.safetensors").exists()
-    assert os.path.exists(out / f"dropped-rank{mate}")
+    expected = {"store": 0, "join-0": 0, "launch-0": 128 + signal.SIGKILL, "launch-1": 0, "launch-2": 0}
+    assert codes == dict(expected, **{"launch-3": 0}), texts
+    results = {r: torch.load(out / f"result-rank{r}.pt", weights_only=True) for r in range(WORLD)}
+    for r, result in results.items():
+        assert result["global_step"] == JOIN_STEPS and result["live_replicas"] == [0, 1, 2, 3], r
+    for stage in range(STAGES):
+        [join] = results[stage]["joins"]  # the joined rank of this stage
+        donor, step = join["peer"], join["step"]
+        assert donor // STAGES in (1, 2, 3) and donor % STAGES == stage and 5 <= step < JOIN_STEPS - 2
+        assert join["bytes"] > sum(v.numel() * v.element_size() for v in results[stage]["weights"].values())
+        assert min(results[stage]["weights_at"]) == step  # its first step is the run's next one
+        for name, value in results[donor]["weights_at"][step].items():
+            assert torch.equal(results[stage]["weights_at"][step][name], value), name
+    # Its steps read replica 0's shard from the run's step on, as the survivors read theirs.
+    assert results[2]["rows"] == shard_rows(1, JOIN_STEPS)
+    expected = shard_rows(0, JOIN_STEPS)
+    assert results[0]["rows"] == {k: expected[k] for k in range(step + 1, JOIN_STEPS + 1)}
+    exported = load_file(str(out / "export" / "model.safetensors"))
+    for stage in range(STAGES):
+        ranks = [c * STAGES + stage for c in range(4)]
+        for name in results[ranks[0]]["weights"]:
+            mean = torch.stack([results[r]["weights"][name].float() for r in ranks]).mean(0)
+            torch.testing.assert_close(exported[name].float(), mean, rtol=0, atol=1e-6, msg=name)
+    assert (
+        "view 2 in effect: live replicas [0, 1, 2, 3] (4 of the run's columns); replicas [0] joined"
+        in (out / "launch-2.txt").read_text()
+    )
 
 
 def test_a_lost_store_ends_every_rank_within_p2p_timeout_naming_it(tmp_path):
@@ -274,7 +314,9 @@ def test_members_agree_on_the_first_proposal_and_a_dropped_rank_leaves():
     store = dist.HashStore()
     changes, outcome = {0: [], 1: [], 2: []}, {}
     members = {
-        r: Membership(_Watch(store), r, 1, 3, silence=3600, on_change=changes[r].append, poll=0.01)
+        r: Membership(
+            _Watch(store), r, 1, 3, silence=3600, on_change=lambda *a, r=r: changes[r].append(a[1]), poll=0.01
+        )
         for r in range(3)
     }
     interrupt_waits_on(None)  # the three share this process's comm module: no interruption of real waits here

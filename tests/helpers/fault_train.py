@@ -14,7 +14,8 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), or call :func:`run` in a process whos
     nan-loss    the stage output of one microbatch of ``step`` becomes NaN (use on the last stage)
     nan-grad    one gradient entry becomes NaN after the backward of ``step``
 ``ON_REPLICA_LOSS`` (stop|continue), ``MAX_STEPS``, ``EXPORT`` (1: export to OUT/export after training),
-``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds) and ``RESUME`` (1: from the newest intact checkpoint;
+``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds), ``RECORD_STEPS`` (1: record each step's weights and
+first row) and ``RESUME`` (1: from the newest intact checkpoint;
 any other value: that checkpoint folder) set the run. Each rank writes ``pid-rank{r}`` at start and
 ``result-rank{r}.pt`` (losses, weights, counters) at the end.
 """
@@ -73,6 +74,24 @@ class StopAtStepEnd(TrainerCallback):
         if state.global_step == self.step:
             print(f"fault_train: run() returned at monotonic {time.monotonic():.3f} (stopping)", flush=True)
             die(signal.SIGSTOP)
+
+
+class RecordSteps(TrainerCallback):
+    """``RECORD_STEPS=1``: this rank's weights as each step begins, and the first row each step trains (on a
+    first stage), for the join test."""
+
+    def __init__(self, trainer):
+        self.trainer, self.weights, self.rows = trainer, {}, {}
+        training_step = trainer.training_step
+
+        def recording(model, inputs, *args, **kwargs):
+            self.rows[trainer.state.global_step + 1] = inputs["input_ids"][0, :8].tolist()
+            return training_step(model, inputs, *args, **kwargs)
+
+        trainer.training_step = recording
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.weights[state.global_step] = {k: v.clone() for k, v in self.trainer.model.state_dict().items()}
 
 
 class EvaluateAtStep(TrainerCallback):
@@ -230,6 +249,9 @@ def run(out: str) -> None:
     )
     trainer = NoLoCoTrainer(byte_config(), args, train_dataset=byte_corpus(max(128, 16 * args.max_steps)))
     install_fault(trainer, dist.get_rank())
+    record = RecordSteps(trainer) if os.environ.get("RECORD_STEPS") == "1" else None
+    if record is not None:
+        trainer.add_callback(record)
     resume = os.environ.get("RESUME") or None
     try:
         trainer.train(resume_from_checkpoint=True if resume == "1" else resume)
@@ -256,6 +278,9 @@ def run(out: str) -> None:
             "live_replicas": trainer.mesh.live_replicas,
             "tokens_seen": trainer.tokens_seen,
             "adam_steps": sorted({int(s["step"]) for s in inner.state.values()}),
+            "joins": trainer.live_replicas.joins,
+            "weights_at": record.weights if record is not None else {},
+            "rows": record.rows if record is not None else {},
         },
         os.path.join(out, f"result-rank{dist.get_rank()}.pt"),
     )
