@@ -12,11 +12,11 @@ The same seeded run four times (8 gloo processes, one thread each):
 - ``continue``: the same, with the same rank killed at the same step. Its column is dropped; the six other
   processes train on to ``max_steps`` with three replicas.
 
-``--join`` runs a third arm instead of the restart: ``continue + join``, the ``continue`` run whose lost column
-is launched again with ``column_launch --join`` as soon as the victim is dead. Reported: the time from that
-launch to the replacement's first trained step (and its start-up alone), the bytes copied, the survivors'
-pause (the step during which the replacement was admitted, minus the median step), the tokens never trained
-and the final perplexity against the uninterrupted and the continue-only runs of the same invocation.
+``--join`` runs a third arm instead of the restart: ``continue + join``, the ``continue`` run whose lost
+column is launched again with ``column_launch --join`` as soon as the victim is dead. Reported: the time from
+that launch to the replacement's first trained step (and its start-up alone), the bytes copied, the
+survivors' pause (the step during which the replacement was admitted, minus the median step), the tokens never
+trained and the final perplexity against the uninterrupted and the continue-only runs of the same invocation.
 
 Reported for ``stop+restart``, against the uninterrupted job:
 
