@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from hf_noloco.engine.comm import peer_call
+from hf_noloco.engine.comm import LOST_PEER_ERRORS, peer_call
 from hf_noloco.engine.routing import Router
 from hf_noloco.io import checkpoint
 from hf_noloco.resilience.joining import join_pairs
@@ -45,17 +45,20 @@ class LiveReplicas:
         the failed attempt's addresses from the same store keys: so the groups (and the state copies) get
         ``max(60, 2 * p2p_timeout)`` seconds (at most ``ddp_timeout``)."""
         t, args = self.trainer, self.trainer.args
-        background = bool(args.outer_settings.outer_overlap_steps) and t.mesh.num_replicas > 1
         with t.mesh.patient(min(args.ddp_timeout, max(60.0, 2 * args.p2p_timeout))):
             with peer_call(f"{t.mesh.describe()}: making the process groups of view {view}"):
-                t.mesh.regroup(live, view, background)
-            if t.outer is not None and background:  # the overlapped sync's group of this view
-                t.outer._background_group = t.mesh.background_replica_group()
+                t.mesh.regroup(live, view)
             for donor, joiner in join_pairs(before, joined, t.mesh.num_stages):
                 if t.mesh.rank == donor:
                     self._donate(joiner)
                 elif t.mesh.rank == joiner:
-                    self._receive(donor)
+                    try:
+                        self._receive(donor)
+                    except LOST_PEER_ERRORS as exc:  # no state to train from: this joiner must not train
+                        raise RuntimeError(
+                            f"{t.mesh.describe()}: the donor was lost while it sent this rank's state "
+                            f"({exc}); start the join again."
+                        ) from exc
         t.engine.router = Router(
             t.mesh.num_replicas, args.routing, args.routing_seed, live=t.mesh.live_replicas
         )

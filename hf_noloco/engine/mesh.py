@@ -182,6 +182,8 @@ class PipelineMesh:
         outer sync runs there, so its messages never queue behind (or ahead of) the pipeline's. Collective
         the first time: every rank of the world calls it together (a later view's is made by
         :meth:`regroup`)."""
+        if not self._has_background_group and self.view > 0:
+            raise RuntimeError("The overlapped outer sync's group is made in the run's first view only.")
         if not self._has_background_group:
             for stage in range(self.num_stages):
                 ranks = [rank_of(r, stage, self.num_stages) for r in range(self.num_replicas)]
@@ -191,20 +193,17 @@ class PipelineMesh:
             self._has_background_group = True
         return self._background_group
 
-    def regroup(self, live_replicas: list[int], view: int, background: bool) -> None:
+    def regroup(self, live_replicas: list[int], view: int) -> None:
         """New groups over the live replicas of ``view`` (others lost, or joined): the run-wide group, this
-        stage's replica group and this column's group (and with ``background``, the overlapped outer sync's),
-        each made by its members only (a lost rank takes no part) and fresh, so that nothing left half-done on
-        an old group can match a new message. Every live rank calls it with the same arguments."""
+        stage's replica group and this column's group, each made by its members only (a lost rank takes no
+        part) and fresh, so that nothing left half-done on an old group can match a new message. Every live
+        rank calls it with the same arguments. (No background group: ``on_replica_loss="continue"`` refuses
+        ``outer_overlap_steps``.)"""
         self.live_replicas, self.view = sorted(live_replicas), view
         self.world_group = self._members_group(self.live_ranks(), "world")
         ranks = [self.rank_of(r, self.stage) for r in self.live_replicas]
         self.replica_group = self._members_group(ranks, f"replica-{self.stage}")
         self.column_group = self._members_group(self.column_ranks(), f"column-{self.replica}")
-        self._background_group = (
-            self._members_group(ranks, f"background-{self.stage}") if background else None
-        )
-        self._has_background_group = background
 
     @property
     def num_live_replicas(self) -> int:

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import sys
+import time
 import types
 import typing
 
@@ -30,6 +31,7 @@ from transformers import HfArgumentParser
 
 from hf_noloco.config import NoLoCoConfig, check_config
 from hf_noloco.launch.arguments import DataArguments, ModelArguments, model_config_values
+from hf_noloco.resilience.joining import is_joining
 from hf_noloco.resilience.membership import ReplicaDropped
 from hf_noloco.resilience.preemption import PREEMPTED_EXIT_STATUS
 from hf_noloco.rules import check_merge_adapter, check_model_init_kwargs, check_streamed_training
@@ -371,6 +373,10 @@ def _load_tokenizer(model_args: ModelArguments, data_args: DataArguments, config
             ) from exc
     # From scratch: rank 0 trains a BPE tokenizer on the training documents; the others load it.
     folder = os.path.join(config.output_dir, "tokenizer")
+    if is_joining():  # a column joining a live run loads the run's (its stand-in group has no barrier)
+        for name in ("tokenizer_config.json", "tokenizer.json"):
+            wait_for_file(os.path.join(folder, name), config.ddp_timeout)
+        return AutoTokenizer.from_pretrained(folder)
     with config.main_process_first(desc="tokenizer"):
         if config.process_index == 0:
             train_docs, _ = load_splits(
@@ -396,6 +402,14 @@ def _load_tokenizer(model_args: ModelArguments, data_args: DataArguments, config
                 train_docs[data_args.dataset_text_field], model_args.tokenizer_vocab_size, folder
             )
     return AutoTokenizer.from_pretrained(folder)
+
+
+def wait_for_file(path: str, timeout: float) -> None:
+    started = time.monotonic()
+    while not os.path.exists(path):
+        if time.monotonic() - started > timeout:
+            raise FileNotFoundError(f"{path} did not appear within {timeout:g}s (the run writes it first).")
+        time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> None:

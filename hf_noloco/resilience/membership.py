@@ -278,7 +278,7 @@ class Membership:
                 live = self._proposal(view)["live"] if view else self.live
                 ranks = [r for r in self.live_ranks(live) if r != self.rank]
                 if len(self.silent_ranks(self.silence, ranks)) == len(ranks):
-                    raise ReplicaDropped(
+                    raise RuntimeError(
                         f"rank {self.rank}: asked to join the run as replica {self.replica}, but no rank of "
                         f"the run has beaten its heartbeat for {self.silence:g}s: the run is over (or gone)."
                     )

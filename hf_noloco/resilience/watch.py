@@ -129,7 +129,7 @@ class PeerWatch:
         interpreter exits can abort the process (SIGABRT) instead of letting it exit with its error."""
         self._stop.set()
         thread = getattr(self, "_thread", None)
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and thread.ident is not None and thread is not threading.current_thread():
             thread.join(timeout=10 * self.interval)
 
     def diagnose(
