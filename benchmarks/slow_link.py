@@ -10,16 +10,20 @@ inside each namespace), headers and acknowledgements included.
 Measured for ddp, diloco and noloco, global against node routing, with the outer sync blocking or
 overlapped (`outer_overlap_steps`), and `local` (no sync: the pipeline's own traffic alone), each at an
 unlimited link and at link rates scaled so that NoLoCo's link-time / compute-time ratio matches an 8B model on
-10, 3 and 1 Gbit/s links (see `scaled_rates`). Four processes are started once and run every configuration in
-interleaved rounds; tokens/s ratios (a rate against the unlimited link) are taken within a round and their
-median over rounds is reported, with the machine's load average beside each window. The bytes predicted by
-the traffic model (`hf_noloco/traffic.py`) are compared with the bytes measured on the link.
+10, 3 and 1 Gbit/s links (see `scaled_rates`). `--configs wires` measures instead NoLoCo with node routing and
+overlap for every `outer_dtype` (float32, bfloat16, int8, float8_e4m3, int4) at tau = H/2 and tau = H. Four
+processes are started once and run every configuration in interleaved rounds; tokens/s ratios (a rate against
+the unlimited link) are taken within a round and their median over rounds is reported, with the machine's load
+beside each window: the load average, and from /proc/stat the cores used by the four ranks, by other work and
+by niced work. The bytes predicted by the traffic model (`hf_noloco/estimate/traffic.py`, compressed packets
+with their scales included) are compared with the bytes measured on the link.
 
 Addresses (a private /30) exist only inside the namespaces this script creates; the namespaces (and with them
 the veth pair) are deleted at the end, on errors and on Ctrl-C. Where namespaces cannot be made (not root, no
 `ip`/`tc`, no permission in a container) the script says so and exits without measuring.
 
     sudo python benchmarks/slow_link.py            # full, ~1-2 hours on 2 shared cores
+    sudo python benchmarks/slow_link.py --configs wires --rounds 4 --output /tmp/wires.json  # ~16 min
     sudo python benchmarks/slow_link.py --quick    # smoke: tiny model, one rate, one round (CI)
     python benchmarks/slow_link.py --replot benchmarks/results/slow_link.json
 """
@@ -113,6 +117,28 @@ SETTINGS = {
 }
 
 
+WIRES = "wires"  # --configs wires: NoLoCo, node routing, overlapped, every outer_dtype at tau = H/2 and H
+WIRE_DTYPES = {"float32": "", "bfloat16": " bf16", "int8": " int8", "float8_e4m3": " fp8", "int4": " int4"}
+
+
+def wire_configurations(setting: dict) -> list[dict]:
+    """NoLoCo with node routing and an overlapped outer step, per wire format, at tau = H/2 (the names of
+    the `all` grid's overlap rows: ``overlap_steps``) and at tau = H (``... overlap H``)."""
+    runs = []
+    for tau, suffix in ((setting["overlap_steps"], ""), (setting["inner_steps"], " H")):
+        for dtype, label in WIRE_DTYPES.items():
+            name = f"noloco node overlap{suffix}{label}"
+            runs.append(dict(name=name, method="noloco", domain="node", overlap=True, dtype=dtype, tau=tau))
+    return runs
+
+
+def run_tau(setting: dict, run: dict) -> int:
+    """tau of ``run``: its own (the wire grid), else the setting's ``overlap_steps`` when it overlaps."""
+    if not run.get("overlap"):
+        return 0
+    return run.get("tau", setting["overlap_steps"])
+
+
 def configurations(setting: dict) -> list[dict]:
     """Every configuration measured, in the order of a round."""
     runs = []
@@ -127,7 +153,11 @@ def configurations(setting: dict) -> list[dict]:
     runs.append(
         dict(name="noloco node overlap bf16", method="noloco", domain="node", overlap=True, dtype="bfloat16")
     )
+    if setting["configs"] == WIRES:
+        return wire_configurations(setting)
     if setting["configs"] != "all":
+        names = {r["name"] for r in runs}
+        runs += [r for r in wire_configurations(setting) if r["name"] not in names]
         runs = [r for r in runs if r["name"] in setting["configs"]]
     return runs
 
@@ -140,7 +170,7 @@ def outer_settings(setting: dict, run: dict):
 
     if run["method"] in ("ddp", "local"):
         return OuterSettings(run["method"])
-    tau = setting["overlap_steps"] if run["overlap"] else 0
+    tau = run_tau(setting, run)
     return OuterSettings(
         run["method"],
         setting["inner_steps"],
@@ -328,6 +358,16 @@ def link_counters(device: str) -> dict[str, int]:
     return values
 
 
+def cpu_seconds() -> dict[str, float]:
+    """This machine's CPU time so far (all cores, /proc/stat; not namespaced): busy at normal priority and
+    busy at a positive nice value (e.g. a study run under `nice`, which yields to the ranks timed here)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    hz = os.sysconf("SC_CLK_TCK")
+    return {"busy": (user + system + irq + softirq + steal) / hz, "nice": nice / hz}
+
+
 def load_average() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
@@ -377,9 +417,24 @@ def _worker(plan_path: str) -> None:
         optimizers[run["name"]] = OuterOptimizer(inner, params, mesh, outer_settings(setting, run))
         counts[run["name"]] = 0
 
+    # With tau = H an outer step is applied and the next one started by the same step(), the last of a
+    # window: left in flight, that exchange would cross the link during the other configurations' windows.
+    # Its start is held back to the beginning of the configuration's next train() call (inside the next
+    # window's timing), which trains exactly the same sequence of steps and exchanges.
+    held: dict[str, bool] = {}
+    for run in runs:
+        if run["method"] in ("diloco", "noloco") and run_tau(setting, run) == setting["inner_steps"]:
+            opt = optimizers[run["name"]]
+            opt.start_outer_step = lambda name=run["name"]: held.__setitem__(name, True)
+
+    def start_held(name: str) -> None:
+        if held.pop(name, False):
+            type(optimizers[name]).start_outer_step(optimizers[name])
+
     def train(name: str, steps: int) -> None:
         engine, opt = engines[name], optimizers[name]
         for _ in range(steps):
+            start_held(name)
             opt.zero_grad(set_to_none=True)
             engine.train_step(batch(counts[name]))
             opt.reduce_gradients()
@@ -392,7 +447,7 @@ def _worker(plan_path: str) -> None:
     def warm_up(run: dict) -> None:
         """Up to the first window's start: right after an outer step was applied, nothing in flight."""
         if counts[run["name"]] == 0:
-            tau = setting["overlap_steps"] if run["overlap"] else 0
+            tau = run_tau(setting, run)
             train(run["name"], window_steps(run) + tau if run["method"] in ("diloco", "noloco") else 1)
 
     def set_rate(bits: float | None) -> None:
@@ -406,11 +461,16 @@ def _worker(plan_path: str) -> None:
         syncs_before, first_step = optimizers[run["name"]].outer_step_count, counts[run["name"]]
         dist.barrier()
         before = link_counters(device) if local_rank == 0 else None
-        load, start = load_average(), time.perf_counter()
+        # No rank may send before both nodes have read their counters: with tau = H a window's first step
+        # posts an exchange, which an unlimited link would carry in the moment the read takes.
+        dist.barrier()
+        cpu_before = cpu_seconds() if local_rank == 0 else None
+        load, start, own = load_average(), time.perf_counter(), time.process_time()
         train(run["name"], steps)
         dist.barrier()
-        seconds = time.perf_counter() - start
+        seconds, own = time.perf_counter() - start, time.process_time() - own
         after = link_counters(device) if local_rank == 0 else None
+        cpu_after = cpu_seconds() if local_rank == 0 else None
         record = dict(
             run=run["name"],
             rate=rate_key,
@@ -420,9 +480,11 @@ def _worker(plan_path: str) -> None:
             seconds=seconds,
             tokens=steps * setting["rows"] * setting["seq_len"] * mesh.num_replicas,
             load=load,
+            cpu_s=own,  # this rank's CPU time (all its threads: gloo's included)
         )
         if before is not None:
             record["link"] = {k: after[k] - before[k] for k in after}
+            record["machine_cpu_s"] = {k: cpu_after[k] - cpu_before[k] for k in cpu_after}
         return record
 
     # Calibration: this machine's step time without any link limit (NoLoCo, node routing, blocking sync).
@@ -453,7 +515,7 @@ def _worker(plan_path: str) -> None:
                 records.append(record)
                 if mesh.rank == 0:
                     print(
-                        f"round {round_index} {rate_key:>9} {run['name']:<22} "
+                        f"round {round_index} {rate_key:>9} {run['name']:<28} "
                         f"{record['tokens'] / record['seconds']:8.0f} tokens/s  load {record['load']:.1f}",
                         flush=True,
                     )
@@ -470,6 +532,14 @@ def _worker(plan_path: str) -> None:
             record["link_bytes"] = record["link"]["tx_bytes"] + other["link"]["tx_bytes"]
             record["tcp_retransmits"] = record["link"]["tcp_retransmits"] + other["link"]["tcp_retransmits"]
             record["link_per_node"] = [record.pop("link"), other["link"]]
+            # What else used the cores meanwhile: the machine's busy time less the four ranks' own.
+            ours = sum(g[i]["cpu_s"] for g in gathered)
+            machine = record.pop("machine_cpu_s")
+            record["cpu_cores"] = dict(
+                ranks=ours / record["seconds"],
+                others=max(machine["busy"] - ours, 0.0) / record["seconds"],
+                niced=machine["nice"] / record["seconds"],
+            )
             merged.append(record)
         with open(plan["output"], "w") as f:
             json.dump({"rates": rates, "calibration_step_seconds": calibration, "windows": merged}, f)
@@ -607,6 +677,12 @@ def summarize(setting: dict, runs: list[dict], measured: dict) -> dict:
                     predicted_pipeline_link_bytes_per_step=sum(r.pipeline_cross for r in traffic.ranks),
                     tcp_retransmits=sum(w["tcp_retransmits"] for w in ws),
                     load=[w["load"] for w in ws],
+                    # cores busy with the ranks, with other normal-priority work, and with niced work
+                    cpu_cores={
+                        k: [round(w["cpu_cores"][k], 2) for w in ws]
+                        for k in ("ranks", "others", "niced")
+                        if all("cpu_cores" in w for w in ws)
+                    },
                 )
             )
     return rows
@@ -648,7 +724,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, one rate, one round")
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--configs", default=None, help="comma-separated configuration names (default: all)")
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated configuration names (default: all), or {WIRES!r}: NoLoCo, node routing, "
+        "overlapped, each outer_dtype at tau = H/2 and tau = H",
+    )
     parser.add_argument("--gbits", default=None, help="comma-separated 8B-equivalent link rates in Gbit/s")
     parser.add_argument("--output", default=None, help=f"result JSON (default {RESULTS}; --quick: not saved)")
     parser.add_argument("--replot", default=None, help="redraw the plot of a result JSON, measure nothing")
@@ -682,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds:
         setting["rounds"] = args.rounds
     if args.configs:
-        setting["configs"] = [c.strip() for c in args.configs.split(",")]
+        setting["configs"] = WIRES if args.configs == WIRES else [c.strip() for c in args.configs.split(",")]
     if args.gbits:
         setting["link_gbits"] = [float(g) for g in args.gbits.split(",")]
     runs = configurations(setting)
@@ -712,7 +793,7 @@ def finish(result: dict, output: str | None) -> None:
         keep = "" if row["vs_unlimited"] is None else f"{row['vs_unlimited']:.2f} of unlimited"
         ratio = row["measured_over_predicted"]
         print(
-            f"{row['config']:<22} {row['rate']:>9}  {row['tokens_per_second']:8.0f} tokens/s  {keep:>18}  "
+            f"{row['config']:<28} {row['rate']:>9}  {row['tokens_per_second']:8.0f} tokens/s  {keep:>18}  "
             f"link {row['measured_link_bytes_per_window'] / 2**20:8.2f} MiB/window "
             f"(model {row['predicted_link_bytes_per_window'] / 2**20:8.2f}"
             + (f", x{ratio:.3f})" if ratio else ")")

@@ -183,14 +183,21 @@ class NoLoCoConfig(TrainingArguments):
             bytes, two values per byte). noloco with gamma == beta sends the fast weights, with gamma != beta
             the local progress (theta - phi) and the slow weights; diloco's compressed pseudo-gradients are
             all-gathered and summed after decoding (fewer bytes than a float32 all-reduce below 8 replicas
-            for the 8-bit formats, below 14 for int4). Use float32 when bandwidth is not the bottleneck, the
-            smaller formats when the outer exchange is: int8 first. Measured on a 1.25M-parameter Llama at
-            dp 4 (3 paired seeds, docs/compressed-gossip.md): final perplexity against float32 int8 -0.04%
-            [-0.42, +0.34], bfloat16 +0.42% [+0.03, +0.80], float8_e4m3 +0.47% [-1.54, +2.52], int4 +0.73%
-            [-2.89, +4.49], with 3x (float8) and 9x (int4) the replicas' spread; diloco int8 +0.00%.
-            Unmeasured on larger models and more replicas. The outer state
-            (slow weights, momentum) stays float32; the compressed formats add float32 error-feedback buffers
-            (4 bytes per parameter and quantity sent), saved in checkpoints.
+            for the 8-bit formats, below 14 for int4). Which to use: float32 while the outer exchange hides
+            behind compute (a fast link, or an exchange shorter than `outer_overlap_steps` inner steps); int8
+            when it does not (a quarter of the bytes, no measured quality cost); int4 only where int8's bytes
+            still do not fit the link (the replicas end several times further apart); float8_e4m3 sends
+            int8's bytes less accurately; bfloat16 halves the bytes, a cast without feedback. Measured on a
+            1.25M-parameter Llama, final perplexity against float32 (3 paired seeds, 95% intervals,
+            docs/compressed-gossip.md): dp 4 int8 -0.04% [-0.42, +0.34], bfloat16 +0.42% [+0.03, +0.80],
+            float8_e4m3 +0.47% [-1.54, +2.52], int4 +0.73% [-2.89, +4.49], with 3x (float8) and 9x (int4) the
+            replicas' spread, diloco int8 +0.00%; dp 8 int8 -0.05% [-1.13, +1.04], bfloat16 -0.32% [-1.21,
+            +0.57], float8_e4m3 -0.14% [-2.24, +2.01], int4 +0.88% [-2.00, +3.85], with 2.3x and 6.6x the
+            spread, diloco int8 -0.05% [-0.19, +0.08]. Behind an emulated 8B-equivalent 1 Gbit/s link
+            (noloco, node routing, `outer_overlap_steps` = `inner_steps`) int4 kept 0.99 of the unlimited
+            link's tokens/s, int8 0.87, bfloat16 0.40, float32 0.22. Unmeasured on larger models. The outer
+            state (slow weights, momentum) stays float32; the compressed formats add float32 error-feedback
+            buffers (4 bytes per parameter and quantity sent), saved in checkpoints.
         offload_outer_state (`bool`, *optional*, defaults to `False`):
             Keep slow weights and momentum in CPU memory (pinned when a GPU is present) to save accelerator
             memory; they stay there through Accelerate's preparation of the optimizer and through a resume.
