@@ -40,15 +40,8 @@ def join_restartable_group(backend: str, timeout_s: float) -> bool:
     global _attempt
     if dist.is_initialized() or not restartable():
         return False
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, rank, world_size = launcher_store(timeout_s)
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=False,
-        timeout=timeout,
-    )
     _attempt = store.add(f"hf_noloco/starts/rank-{rank}", 1)
     dist.init_process_group(
         backend,
@@ -58,6 +51,20 @@ def join_restartable_group(backend: str, timeout_s: float) -> bool:
         timeout=timeout,
     )
     return True
+
+
+def launcher_store(timeout_s: float) -> tuple[dist.TCPStore, int, int]:
+    """A client of the store the launcher hosts (``MASTER_ADDR:MASTER_PORT``), this worker's rank and the
+    world size, from the environment the launcher set."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return store, rank, world_size
 
 
 def is_restart() -> bool:

@@ -37,6 +37,8 @@ def join_live_run(timeout_s: float) -> bool:
     did (only when :func:`is_joining` and no group is initialised yet)."""
     import torch.distributed as dist
 
+    from hf_noloco.resilience.elastic import launcher_store
+
     if dist.is_initialized() or not is_joining():
         return False
     try:
@@ -53,15 +55,8 @@ def join_live_run(timeout_s: float) -> bool:
             lambda store, rank, size, timeout: fake._create_internal(rank, size),
             devices=["cpu", "cuda"],
         )
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, rank, world_size = launcher_store(timeout_s)
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=False,
-        timeout=timeout,
-    )
     dist.init_process_group(
         _ABSENT,
         store=dist.PrefixStore("default_pg", store),
