@@ -2,12 +2,12 @@
 routing over the live replicas, and a joined column's state.
 
 A column that joins (:mod:`hf_noloco.resilience.joining`) gets, per stage, everything a checkpoint of its
-donor's rank folder would hold, sent point to point by the donor (:func:`hf_noloco.resilience.join_pairs`
-names it): the weights, the inner optimizer's state, the outer state (slow weights, momentum, error
-feedback), the routing counters and tokens seen, the Trainer's state and the scheduler's. The joiner writes
-them as a checkpoint of its own replica into a private folder and resumes from it as from any checkpoint, at
-the run's step: its dataset shard is its replica's, read from the position the run's step gives. Its random
-states are its own.
+donor's rank folder would hold, sent point to point by the donor that
+:func:`~hf_noloco.resilience.joining.join_pairs` names: the weights, the inner optimizer's state, the outer
+state (slow weights, momentum, error feedback), the routing counters and tokens seen, the Trainer's state and
+the scheduler's. The joiner writes them as a checkpoint of its own replica into a private folder and resumes
+from it as from any checkpoint, at the run's step: its dataset shard is its replica's, read from the position
+the run's step gives. Its random states are its own.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ leader of the live view finds a column whose every stage asked and proposes the 
 live, to take effect at the fence after the next one, so that no survivor skips a step. At that fence the
 members make the new groups, and for each stage a live replica (:func:`join_pairs`) sends the joiner its
 whole state point to point (:mod:`hf_noloco.resilience.transfer`); the joiner then resumes from it as from a
-checkpoint of its own replica, at the run's step (:mod:`hf_noloco.components.replica_join`).
+checkpoint of its own replica, at the run's step (:mod:`hf_noloco.components.live_replicas`).
 """
 
 from __future__ import annotations

@@ -239,13 +239,9 @@ class Membership:
     def _admit_joiners(self) -> None:
         """On the leader, as a fence begins: proposes the next view with every column whose stages all asked
         to join, effective at the fence after this one."""
-        others = [c for c in range(self.num_replicas) if c not in self.live]
-        keys = [self._request_key(c, s) for c in others for s in range(self.num_stages)]
-        if not keys:
-            return
-        asked: dict[int, set[int]] = {}
-        for c in others:
-            asked[c] = {s for s in range(self.num_stages) if self.store.check([self._request_key(c, s)])}
+        others = [c for c in range(self.num_replicas) if c not in self.live]  # none while all are live
+        has = lambda c, s: self.store.check([self._request_key(c, s)])
+        asked = {c: {s for s in range(self.num_stages) if has(c, s)} for c in others}
         joined = complete_requests(asked, self.live, self.num_stages)
         if not joined:
             return

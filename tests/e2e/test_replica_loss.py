@@ -27,7 +27,7 @@ from hf_noloco.resilience.membership import live_after_loss
 from tests.helpers.fault_runs import FAULT_TRAIN, launch
 
 WORLD, STAGES, MAX_STEPS = 8, 2, 12  # dp = 4 replica columns of 2 stages; outer steps after steps 3, 6, 9, 12
-JOIN_STEPS = 20  # a replacement column joins after the loss at step 5, and trains on
+JOIN_STEPS = 12  # a replacement column joins after the loss at step 5, and trains on
 VICTIM, MATE = 5, 4  # column 2: stage 1 is lost, stage 0 must leave
 SURVIVORS = [0, 1, 2, 3, 6, 7]
 LIVE = [0, 1, 3]
