@@ -148,7 +148,8 @@ def assert_trained_on(out, codes, logs, results, uninterrupted, fault_step, vict
             torch.testing.assert_close(exported[name].float(), mean, rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("victim", [VICTIM, 1])  # rank 1: column 0 (rank 0's) is lost, rank 2 leads
+# Rank 1: column 0 (rank 0's) is lost and rank 2 leads; the tests below lose column 2.
+@pytest.mark.parametrize("victim", [1])
 def test_sigkill_mid_step_drops_the_column_and_the_others_train_on(tmp_path, uninterrupted, victim):
     out = tmp_path / "run"
     codes, _, logs, results = launch(out, timeout=150, world=WORLD, FAULT=f"kill-step:5:{victim}", **CONTINUE)
