@@ -47,7 +47,7 @@ _BUCKET_NUMEL = 16 * 1024 * 1024
 
 def _comm_device(mesh) -> torch.device:
     """NCCL only moves CUDA tensors; gloo moves CPU tensors."""
-    if getattr(mesh, "backend", None) == "nccl":  # (the mesh's: a joined column's default group stands in)
+    if mesh.backend == "nccl":  # the mesh's (a joined column's default group is a stand-in)
         return mesh.device
     return torch.device("cpu")
 
