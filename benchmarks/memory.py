@@ -387,8 +387,7 @@ def _available() -> int:
     raise RuntimeError("MemAvailable")
 
 
-def run_case(case) -> dict:
-    predicted = predict(case)
+def run_case(case, predicted: dict) -> dict:
     needed = predicted["peak"] * 1.3 + 2 * GIB
     available = _available()
     record = {"case": case, "predicted": predicted, "available_before": available}
@@ -457,8 +456,10 @@ def main() -> None:
         with open(args.out) as f:
             results = {r["case"]["name"]: r for r in json.load(f)["cases"]}
     # --quick checks the machinery: its cases run at once, a process each (each measures its own peak).
+    # Predictions first, in this thread: transformers' lazy imports are not safe to race from threads.
+    predictions = [predict(case) for case in cases]
     with ThreadPoolExecutor(len(cases) if args.quick else 1) as pool:
-        records = pool.map(run_case, cases)  # in order; the full run measures one case at a time
+        records = pool.map(run_case, cases, predictions)  # in order; the full run measures one at a time
     for case, record in zip(cases, records):
         results[case["name"]] = record
         print(_show(record), flush=True)
