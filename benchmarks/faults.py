@@ -495,11 +495,7 @@ def main() -> None:
             )
     result = {
         "benchmark": "faults",
-        "mesh": {"dp": DP, "pp": PP, "processes": DP * PP},
-        "model": dict(MODEL, parameters=count_parameters(MODEL)),
-        "settings": dict(
-            settings, tokens_per_step=tokens_per_step, block_size=BLOCK, global_batch=GLOBAL_BATCH
-        ),
+        **_run_description(settings, tokens_per_step),
         "launch": {
             "stop+restart": "torchrun --standalone --nproc_per_node 8 --max-restarts 1",
             "continue": "python -m hf_noloco.column_launch --column C --columns 4 --stages 2 (x4)",
@@ -507,11 +503,7 @@ def main() -> None:
         "machine": machine(),
         "runs": runs,
     }
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, "faults_quick.json" if cli.quick else "faults.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    _save(result, "faults_quick.json" if cli.quick else "faults.json")
 
 
 def join_arm(plan: dict, work: str, settings: dict, tokens_per_step: int, quick: bool) -> None:
@@ -522,18 +514,29 @@ def join_arm(plan: dict, work: str, settings: dict, tokens_per_step: int, quick:
     print(json.dumps(summary, indent=1), flush=True)
     result = {
         "benchmark": "faults --join",
-        "mesh": {"dp": DP, "pp": PP, "processes": DP * PP},
-        "model": dict(MODEL, parameters=count_parameters(MODEL)),
-        "settings": dict(
-            settings, tokens_per_step=tokens_per_step, block_size=BLOCK, global_batch=GLOBAL_BATCH
-        ),
+        **_run_description(settings, tokens_per_step),
         "launch": "python -m hf_noloco.column_launch ... (x4), then --column 2 --join when rank 5 is killed",
         "machine": machine(),
         "summary": summary,
         "runs": {"uninterrupted": plain, "continue": kept, "continue_join": joined},
     }
+    _save(result, "faults_join_quick.json" if quick else "faults_join.json")
+
+
+def _run_description(settings: dict, tokens_per_step: int) -> dict:
+    """The mesh, model and settings every result file of this benchmark records."""
+    return {
+        "mesh": {"dp": DP, "pp": PP, "processes": DP * PP},
+        "model": dict(MODEL, parameters=count_parameters(MODEL)),
+        "settings": dict(
+            settings, tokens_per_step=tokens_per_step, block_size=BLOCK, global_batch=GLOBAL_BATCH
+        ),
+    }
+
+
+def _save(result: dict, name: str) -> None:
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, "faults_join_quick.json" if quick else "faults_join.json")
+    path = os.path.join(RESULTS_DIR, name)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
