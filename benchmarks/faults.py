@@ -168,7 +168,7 @@ def worker(plan_path: str) -> None:
         os._exit(0)
     timeline["train_end"] = time.time()
     timeline["tokens_seen"] = trainer.tokens_seen
-    timeline["joins"] = trainer.live_replicas.joins
+    timeline["joins"] = trainer.parts.live_replicas.joins
     metrics = trainer.evaluate(eval_)
     if is_joining():  # the replacement column's timeline (its first step, what it received)
         with open(os.path.join(plan["out"], f"timeline-join-rank{rank}.json"), "w") as f:

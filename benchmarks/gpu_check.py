@@ -137,7 +137,10 @@ def single_process_checks(device: str, out: str) -> list[tuple[str, bool, str]]:
     inner = {t.device.type for state in trainer.optimizer.state.values() for t in state.values() if t.dim()}
     rows.append(("inner optimizer state beside its parameters", inner == {device}, f"on {sorted(inner)}"))
     pinned = device == "cuda"
-    outer = {(t.device.type, t.is_pinned()) for t in trainer.outer._phi_flat + trainer.outer._delta_flat}
+    outer = {
+        (t.device.type, t.is_pinned())
+        for t in trainer.outer.outer_state.phi_flat + trainer.outer.outer_state.delta_flat
+    }
     rows.append(("offloaded outer state", outer == {("cpu", pinned)}, f"(device, pinned) = {sorted(outer)}"))
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
@@ -146,7 +149,10 @@ def single_process_checks(device: str, out: str) -> list[tuple[str, bool, str]]:
         _model_config(256, 2), _args(out, device, **{**run, "max_steps": 10}), train_dataset=data
     )
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-8"))
-    outer = {(t.device.type, t.is_pinned()) for t in resumed.outer._phi_flat + resumed.outer._delta_flat}
+    outer = {
+        (t.device.type, t.is_pinned())
+        for t in resumed.outer.outer_state.phi_flat + resumed.outer.outer_state.delta_flat
+    }
     rows.append(("offloaded outer state after a resume", outer == {("cpu", pinned)}, f"{sorted(outer)}"))
 
     export = os.path.join(out, "export")
@@ -295,7 +301,7 @@ def tied_diloco_worker(out: str, device: str) -> None:
     class Compare(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % 2 == 0:  # an outer step ended this step
-                trainer.tied.check_equal()  # raises, naming both ranks, if the copies differ
+                trainer.parts.tied.check_equal()  # raises, naming both ranks, if the copies differ
                 compared.append(state.global_step)
 
     trainer.add_callback(Compare())

@@ -16,11 +16,11 @@ _PUBLIC = {
     "NoLoCoConfig": "hf_noloco.config",
     "NoLoCoTrainer": "hf_noloco.trainer",
     "ModelArguments": "hf_noloco.launch.arguments",
-    "DataArguments": "hf_noloco.launch.arguments",
+    "DataArguments": "hf_noloco.data.arguments",
     "prepare_datasets": "hf_noloco.data.datasets",
     "prepare_streams": "hf_noloco.data.datasets",
     "datasets_from_args": "hf_noloco.data.datasets",
-    "lora_config": "hf_noloco.adapters",
+    "lora_config": "hf_noloco.adapters.settings",
 }
 __all__ = [*_PUBLIC, "__version__"]
 

@@ -18,6 +18,8 @@ from functools import cached_property
 import torch
 from transformers import TrainingArguments
 
+from hf_noloco.docstrings import help_from_docstring
+from hf_noloco.engine.shape import mesh_shape, routing_group_size
 from hf_noloco.outer.settings import OuterSettings
 from hf_noloco.resilience.elastic import join_restartable_group
 from hf_noloco.resilience.joining import is_joining, join_live_run
@@ -35,8 +37,6 @@ from hf_noloco.rules import (
     HubStrategyName,
     MasterWeights,
     NonfiniteAction,
-    OuterDtype,
-    OuterMethod,
     PipelineSchedule,
     ReplicaLossAction,
     Routing,
@@ -49,9 +49,6 @@ from hf_noloco.rules import (
     check_positive_int,
     check_stage_boundaries,
     default_microbatch_size,
-    help_from_docstring,
-    mesh_shape,
-    routing_group_size,
 )
 
 # NCCL's default error handling (1: tear down) kills the process within ~100 ms of a failed or timed-out
@@ -62,7 +59,7 @@ NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 @help_from_docstring
 @dataclass
-class NoLoCoConfig(TrainingArguments):
+class NoLoCoConfig(OuterSettings, TrainingArguments):
     r"""
     Configuration for [`NoLoCoTrainer`]: everything [`~transformers.TrainingArguments`] has, plus the settings
     below. ``per_device_train_batch_size`` is the batch of one replica column (every stage of a column sees
@@ -309,23 +306,14 @@ class NoLoCoConfig(TrainingArguments):
     nonfinite: NonfiniteAction = "error"
     on_replica_loss: ReplicaLossAction = "stop"
     routing: Routing = "sample"
-    routing_seed: int | None = None
     routing_domain: RoutingDomain = "global"
     routing_group_size: int | None = None
-    outer_optimizer: OuterMethod = "noloco"
-    inner_steps: int | None = None
-    outer_lr: float | None = None
-    outer_momentum: float | None = None
-    outer_averaging: float | None = None
-    gossip_group_size: int = 2
-    outer_dtype: OuterDtype = "float32"
-    offload_outer_state: bool = False
+    # The outer optimizer's fields (and routing_seed) are OuterSettings', inherited: declared once.
     model_init_kwargs: dict | str | None = None
     master_weights: MasterWeights = "float32"
     # Redeclared to carry this class's --help (TrainingArguments': nargs="?" makes a bare flag mean True).
     activation_checkpointing: bool | None = field(default=None, metadata={"nargs": "?", "const": True})
     loss_chunk_tokens: int | None = 1024
-    outer_overlap_steps: int = 0
     divergence_steps: int | None = None
     peak_tflops: float | None = None
     export_replica: int | None = None
@@ -336,6 +324,8 @@ class NoLoCoConfig(TrainingArguments):
     dataloader_drop_last: bool = True
     hub_strategy: HubStrategyName = "end"
     enable_jit_checkpoint: bool = True
+    # Whether this process joins a live run (`column_launch --join`): read once, here, from the launch.
+    joining: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self):
         if not self.use_cpu and not torch.cuda.is_available():
@@ -343,11 +333,12 @@ class NoLoCoConfig(TrainingArguments):
             # a GPU, launch configs written for GPUs must still work as written.
             self.use_cpu = True
         self.model_init_kwargs = check_model_init_kwargs(self.model_init_kwargs)
+        self.joining = is_joining()
         # Checked first: TrainingArguments.__post_init__ joins the process group when launched (it sets up the
         # device), and a bad setting must fail before that, on every rank alike.
-        check_config(self)
+        check_config(self, self.joining)
         self._resolve_defaults()
-        super().__post_init__()
+        TrainingArguments.__post_init__(self)
 
     def _resolve_defaults(self) -> None:
         """Every ``None`` default becomes its value here, once; the rest of the package reads the fields."""
@@ -360,10 +351,7 @@ class NoLoCoConfig(TrainingArguments):
         if self.routing_domain == "node" and self.routing_group_size is None:
             num_replicas, _ = mesh_shape(_world_size(), self.pipeline_stages)
             self.routing_group_size = routing_group_size("node", None, num_replicas, self.pipeline_stages)
-        settings = OuterSettings.of(self)
-        if settings.has_outer_step:
-            for name, value in settings.resolved_fields().items():
-                setattr(self, name, value)
+        self.resolve()  # OuterSettings' own defaults (the paper's), in these fields
         self.ddp_timeout = max(int(self.ddp_timeout), int(self.p2p_timeout))
 
     @cached_property
@@ -381,8 +369,9 @@ class NoLoCoConfig(TrainingArguments):
         for name, value in NCCL_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
         join_restartable_group(self.ddp_backend or ("gloo" if self.use_cpu else "nccl"), self.ddp_timeout)
-        join_live_run(self.ddp_timeout)  # column_launch --join: a stand-in default group (joining.py)
-        return TrainingArguments._setup_devices.func(self)
+        if self.joining:  # column_launch --join: a stand-in default group (resilience/joining.py)
+            join_live_run(self.ddp_timeout)
+        return super()._setup_devices
 
 
 def _world_size() -> int:
@@ -403,9 +392,10 @@ def check_gpus_per_machine(c) -> None:
         )
 
 
-def check_config(c) -> None:
+def check_config(c, joining: bool = False) -> None:
     """Every check of :class:`NoLoCoConfig`. ``c`` is the config, or any object with its attributes (the
-    command checks its parsed options before the config joins the process group)."""
+    command checks its parsed options before the config joins the process group); ``joining``: this process
+    joins a live run (``column_launch --join``)."""
     for name in ("pipeline_stages", "per_device_train_batch_size", "per_device_eval_batch_size"):
         check_positive_int(name, getattr(c, name))
     check_choice("routing", c.routing, ROUTINGS)
@@ -416,7 +406,7 @@ def check_config(c) -> None:
     check_choice("stage_balance", c.stage_balance, STAGE_BALANCES)
     check_choice("nonfinite", c.nonfinite, NONFINITE_ACTIONS)
     check_choice("master_weights", c.master_weights, MASTER_WEIGHTS)
-    check_replica_loss(c)
+    check_replica_loss(c, joining)
     check_gpus_per_machine(c)
     check_choice("hub_strategy", str(getattr(c.hub_strategy, "value", c.hub_strategy)), HUB_STRATEGIES)
     if not c.p2p_timeout > 0:
@@ -482,12 +472,12 @@ def check_config(c) -> None:
     check_export_replica(c.export_replica, num_replicas)
 
 
-def check_replica_loss(c) -> None:
+def check_replica_loss(c, joining: bool = False) -> None:
     """``on_replica_loss="continue"`` needs an algorithm whose training path has no collective over the
     replicas, a backend whose groups survive a lost member, and a store that outlives every worker."""
     action = getattr(c, "on_replica_loss", "stop")
     check_choice("on_replica_loss", action, REPLICA_LOSS_ACTIONS)
-    if is_joining() and action != "continue":
+    if joining and action != "continue":
         raise ValueError(
             "column_launch --join joins a live on_replica_loss='continue' run: give the run's own arguments "
             f"(on_replica_loss='continue'), not on_replica_loss={action!r}."

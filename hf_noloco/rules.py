@@ -5,20 +5,15 @@ for a recipe user, and by the engine's classes for a direct Python user of ``Pip
 ``OuterOptimizer``, so both get the same error from the same line. This module imports neither torch nor
 transformers: every other layer imports it, and it imports nothing of the package.
 
-It also holds the one docstring convention of the settings classes (:func:`help_from_docstring`): a field's
-``--help`` text is its entry in the class's ``Parameters:`` section, so there is one text to read in two
-places.
+Elsewhere: the mesh's arithmetic (:mod:`hf_noloco.engine.shape`), the rule for local dataset paths
+(:mod:`hf_noloco.data.arguments`) and the docstring convention of the settings classes
+(:mod:`hf_noloco.docstrings`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import json
 import math
-import os
-import re
-import types
 from typing import Literal, get_args
 
 # ----------------------------------------------------------------------------------------------------------
@@ -70,24 +65,6 @@ PAPER_DEFAULTS: dict[str, dict[str, float | int]] = {
     "diloco": {"inner_steps": 100, "outer_lr": 0.7, "outer_momentum": 0.3},
 }
 
-BUILTIN_DATASET = "builtin:python-docs"
-# Extensions that make a dataset_name local files (to be found here, never looked up on the Hub).
-DATA_FILE_EXTENSIONS = (
-    ".txt",
-    ".json",
-    ".jsonl",
-    ".parquet",
-    ".csv",
-    ".tsv",
-    ".arrow",
-    ".gz",
-    ".zst",
-    ".bz2",
-    ".xz",
-)
-PEFT_INSTALL_HINT = "pip install 'hf-noloco[peft]'"
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Rules
 # ----------------------------------------------------------------------------------------------------------
@@ -119,28 +96,6 @@ def check_in_range(name: str, value, low: float, high: float, closed_low: bool, 
     if not inside:
         interval = f"{'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
         raise ValueError(f"{name} must be in {interval}, got {value!r}{f' ({hint})' if hint else ''}.")
-
-
-def rank_of(replica: int, stage: int, num_stages: int) -> int:
-    """The global rank of ``replica`` of ``stage``: a replica's column of stages is consecutive ranks."""
-    return replica * num_stages + stage
-
-
-def mesh_shape(world_size: int, pipeline_stages: int) -> tuple[int, int]:
-    """``(num_replicas, num_stages)`` for ``world_size`` processes, or a clear error."""
-    check_positive_int("pipeline_stages", pipeline_stages)
-    if world_size % pipeline_stages:
-        how = (
-            " with a launcher, e.g. `accelerate launch --num_processes N recipes/train.py ...` or "
-            "`torchrun --nproc_per_node N recipes/train.py ...`"
-            if world_size == 1
-            else ""
-        )
-        raise ValueError(
-            f"The world size ({world_size} processes) is not divisible by pipeline_stages={pipeline_stages}: "
-            f"launch a multiple of {pipeline_stages} processes (num_replicas x pipeline_stages){how}."
-        )
-    return world_size // pipeline_stages, pipeline_stages
 
 
 def check_stage_boundaries(boundaries, num_stages: int, num_layers: int | None = None) -> None:
@@ -183,7 +138,7 @@ def check_export_replica(replica: int | None, num_replicas: int) -> None:
 
 
 def check_lora_values(r, alpha, dropout, target_modules) -> None:
-    """LoRA's settings (that PEFT is installed is :func:`hf_noloco.adapters.require_peft`'s check)."""
+    """LoRA's settings (:func:`hf_noloco.adapters.settings.require_peft` checks that PEFT is installed)."""
     check_positive_int("lora_r", r)
     if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0):
         raise ValueError(f"lora_alpha must be a positive number, got {alpha!r}.")
@@ -238,50 +193,6 @@ def check_model_init_kwargs(kwargs) -> dict:
     return checked
 
 
-def processes_per_node() -> int:
-    """Processes this launch runs on each node: ``LOCAL_WORLD_SIZE`` (set by torchrun and accelerate), or the
-    whole world when it is unset (a single-machine launch)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-
-
-def routing_group_size(
-    domain: str,
-    group_size: int | None,
-    num_replicas: int,
-    pipeline_stages: int,
-    procs_per_node: int | None = None,
-) -> int:
-    """Replicas per routing group: all of them (``global``), or those whose replica columns share a node
-    (``node``): ``group_size`` if given, else ``procs_per_node // pipeline_stages``. Ranks are
-    ``replica * pipeline_stages + stage`` and a node holds consecutive ranks, so the replicas of one node are
-    consecutive and their whole columns sit on it exactly when ``pipeline_stages`` divides the processes per
-    node."""
-    check_choice("routing_domain", domain, ROUTING_DOMAINS)
-    if group_size is not None:
-        if domain != "node":
-            raise ValueError(
-                f"routing_group_size={group_size} only applies to routing_domain='node' (got {domain!r})."
-            )
-        check_positive_int("routing_group_size", group_size)
-    if domain == "global":
-        return num_replicas
-    if group_size is None:
-        procs_per_node = processes_per_node() if procs_per_node is None else procs_per_node
-        if procs_per_node % pipeline_stages:
-            raise ValueError(
-                f"routing_domain='node' needs every replica column on one node, but pipeline_stages="
-                f"{pipeline_stages} does not divide the {procs_per_node} processes per node: launch a "
-                "multiple of pipeline_stages per node, or set routing_group_size explicitly."
-            )
-        group_size = min(max(procs_per_node // pipeline_stages, 1), num_replicas)
-    if num_replicas % group_size:
-        raise ValueError(
-            f"routing_group_size={group_size} does not divide the {num_replicas} replicas per stage."
-        )
-    return group_size
-
-
 def check_streamed_training(max_steps: int, dataloader_num_workers: int) -> None:
     """A streamed training set has no length and its position goes into checkpoints."""
     if max_steps <= 0:
@@ -298,51 +209,3 @@ def check_merge_adapter(merge_adapter: bool, uses_adapters: bool) -> None:
         raise ValueError(
             "merge_adapter=True merges LoRA adapters into the model: it needs use_peft (a peft_config)."
         )
-
-
-def is_local_dataset_path(name: str) -> bool:
-    """Whether ``dataset_name`` means local files. Hub names are ``name`` or ``owner/name``; anything with a
-    file extension we read, or that starts like a filesystem path, is local, and must then exist (never fall
-    through to the Hub)."""
-    return (
-        os.path.exists(os.path.expanduser(name))
-        or name.startswith(("/", ".", "~"))
-        or os.path.splitext(name)[1].lower() in DATA_FILE_EXTENSIONS
-        or name.count("/") > 1
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Help texts from docstrings
-# ----------------------------------------------------------------------------------------------------------
-
-_DOC_ENTRY = re.compile(r"^(\w+) \(.*\):$")
-
-
-def docstring_entries(doc: str) -> dict[str, str]:
-    """``{name: description}`` of a docstring's ``Parameters:`` entries (``name (`type`, ...):`` then an
-    indented description), each description joined into one paragraph."""
-    entries: dict[str, str] = {}
-    name, indent = None, 0
-    for line in inspect.cleandoc(doc or "").splitlines():
-        stripped = line.strip()
-        match = _DOC_ENTRY.match(stripped)
-        if match:
-            name, indent = match.group(1), len(line) - len(line.lstrip())
-            entries[name] = ""
-        elif name is not None and stripped and len(line) - len(line.lstrip()) > indent:
-            entries[name] = f"{entries[name]} {stripped}".strip()
-        elif stripped:
-            name = None
-    return entries
-
-
-def help_from_docstring(cls):
-    """Gives every field documented in ``cls``'s docstring that entry as its ``--help`` text (``%`` escaped:
-    argparse formats help texts with ``%``)."""
-    entries = docstring_entries(cls.__doc__)
-    for f in dataclasses.fields(cls):
-        if f.name in entries and f.name in cls.__annotations__:  # fields declared here, not inherited ones
-            help_text = entries[f.name].replace("%", "%%")
-            f.metadata = types.MappingProxyType({**f.metadata, "help": help_text})
-    return cls

@@ -5,43 +5,95 @@ and token counts pooled over the replicas into the perplexity, plus the exact re
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from hf_noloco.components.metrics import perplexity
+from hf_noloco.components.training_logs import TrainingLogs
+from hf_noloco.config import NoLoCoConfig
 from hf_noloco.engine.comm import collective
+from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.engine.pipeline import PipelineEngine
+from hf_noloco.engine.stage import PipelineStage
+from hf_noloco.resilience.policy import ReplicaLossPolicy
 
 
-def evaluate_pipeline(trainer, eval_dataset, metric_key_prefix: str) -> dict[str, float]:
-    trainer.model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=trainer.args.device)
-    start = time.monotonic()
-    loader = trainer.get_eval_dataloader(eval_dataset)
-    trainer.callback_handler.eval_dataloader = loader  # the progress bar's length (shown on rank 0)
-    for batch in loader:
-        loss_sum, tokens = trainer.engine.eval_step(batch)
+def pooled_eval_loss(
+    engine: PipelineEngine, mesh: PipelineMesh, batches: Iterable[dict], on_batch: Callable[[], None]
+) -> tuple[float, int]:
+    """``(summed token cross-entropy, target tokens)`` of ``batches`` through this replica column, summed over
+    the live replicas (collective); ``on_batch`` is called after each batch (the progress bar)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=mesh.device)
+    for batch in batches:
+        loss_sum, tokens = engine.eval_step(batch)
         totals += torch.tensor([loss_sum, tokens], dtype=torch.float64, device=totals.device)
-        trainer.control = trainer.callback_handler.on_prediction_step(
-            trainer.args, trainer.state, trainer.control
-        )
-    if trainer.mesh.num_live_replicas > 1:
-        what = f"{trainer.mesh.describe()}: all-reduce of the evaluation loss"
-        collective(
-            dist.all_reduce, totals, group=trainer.mesh.replica_group, timeout=trainer.mesh.timeout, what=what
-        )
+        on_batch()
+    if mesh.num_live_replicas > 1:
+        what = f"{mesh.describe()}: all-reduce of the evaluation loss"
+        collective(dist.all_reduce, totals, group=mesh.replica_group, timeout=mesh.timeout, what=what)
     loss_sum, tokens = totals.tolist()
-    metrics = {
-        f"{metric_key_prefix}_loss": loss_sum / max(tokens, 1),
-        f"{metric_key_prefix}_perplexity": perplexity(loss_sum, max(tokens, 1)),
-        f"{metric_key_prefix}_tokens": int(tokens),
-        f"{metric_key_prefix}_runtime": time.monotonic() - start,
+    return loss_sum, int(tokens)
+
+
+def evaluation_metrics(prefix: str, loss_sum: float, tokens: int, seconds: float) -> dict[str, float]:
+    """The evaluation's log entries: the mean loss, the perplexity, the tokens and the time."""
+    return {
+        f"{prefix}_loss": loss_sum / max(tokens, 1),
+        f"{prefix}_perplexity": perplexity(loss_sum, max(tokens, 1)),
+        f"{prefix}_tokens": int(tokens),
+        f"{prefix}_runtime": seconds,
     }
-    if trainer.args.divergence_steps is None:
-        metrics.update(trainer._divergence())
-    trainer.model.train()
-    trainer.log(metrics)
-    trainer.control = trainer.callback_handler.on_evaluate(
-        trainer.args, trainer.state, trainer.control, metrics
-    )
-    return metrics
+
+
+class Evaluation:
+    """Runs evaluations of the run (collective: every live rank evaluates together).
+
+    Args:
+        args: the run's config (``divergence_steps``); mesh, stage, engine: its parts.
+        logs: the run's log entries (the divergence); replica_loss: what a lost replica does to an evaluation
+            (under ``on_replica_loss="continue"`` it is interrupted and returns ``{}``).
+    """
+
+    def __init__(
+        self,
+        args: NoLoCoConfig,
+        mesh: PipelineMesh,
+        stage: PipelineStage,
+        engine: PipelineEngine,
+        logs: TrainingLogs,
+        replica_loss: ReplicaLossPolicy,
+    ):
+        self.args, self.mesh, self.stage, self.engine = args, mesh, stage, engine
+        self.logs, self.replica_loss = logs, replica_loss
+
+    def run(
+        self,
+        batches: Iterable[dict],
+        prefix: str,
+        on_batch: Callable[[], None],
+        on_metrics: Callable[[dict], None],
+    ) -> dict[str, float]:
+        """Evaluates ``batches``; ``on_batch`` after each (the progress bar), ``on_metrics`` with the result
+        (the log, the Trainer's callbacks)."""
+        policy = self.replica_loss
+
+        def interrupted() -> dict:
+            self.stage.train()
+            return {}
+
+        def work() -> dict:
+            if policy.continues:
+                policy.barrier()  # every live rank evaluates in the same view
+            self.stage.eval()
+            start = time.monotonic()
+            loss_sum, tokens = pooled_eval_loss(self.engine, self.mesh, batches, on_batch)
+            metrics = evaluation_metrics(prefix, loss_sum, tokens, time.monotonic() - start)
+            if self.args.divergence_steps is None:
+                metrics.update(self.logs.divergence())
+            self.stage.train()
+            on_metrics(metrics)
+            return metrics
+
+        return policy.tolerate("evaluation", work, interrupted, self.logs.run.step)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from hf_noloco.data.streaming import TokenStream
-from hf_noloco.resilience.joining import is_joining
 from hf_noloco.rules import check_merge_adapter, check_streamed_training
 
 
@@ -21,7 +20,7 @@ def check_trainer_inputs(model, args, train_dataset, peft_config, kwargs: dict) 
             )
     if isinstance(train_dataset, TokenStream):
         check_streamed_training(args.max_steps, args.dataloader_num_workers)
-        if is_joining():
+        if args.joining:
             raise ValueError(
                 "column_launch --join resumes its replica's shard at the run's step, which a dataset gives "
                 "and a stream does not (its position is its replica's own, lost with it): resume the run "

@@ -16,9 +16,9 @@ from datasets import Dataset, DatasetDict
 from datasets.data_files import DataFilesDict, DataFilesList, get_data_patterns
 from datasets.load import infer_module_for_data_files_list
 
+from hf_noloco.data.arguments import BUILTIN_DATASET, is_local_dataset_path
 from hf_noloco.data.corpus import builtin_corpus
 from hf_noloco.data.encoding import dataset_format
-from hf_noloco.rules import BUILTIN_DATASET, is_local_dataset_path
 
 # Splits that evaluate when none is named, in order of preference.
 EVAL_SPLITS = ("validation", "test")
@@ -187,7 +187,7 @@ def load_text_dataset(
 
 def load_mixture(mixture: dict, dataset_text_field: str = "text", seed: int = 42) -> DatasetDict:
     """The rows of a ``dataset_mixture`` (TRL's ``DatasetMixtureConfig``, as
-    :func:`hf_noloco.launch.arguments.mixture_values` checks it): each dataset's split, its ``columns``
+    :func:`hf_noloco.data.arguments.mixture_values` checks it): each dataset's split, its ``columns``
     kept; with fractions, the first ``round(fraction * N)`` rows of each for the largest ``N`` that repeats no
     row (TRL's rule); concatenated in order. ``test_split_size`` holds rows out as ``"test"`` by a shuffle
     seeded with ``seed`` (TRL's own split is unseeded, so the ranks of a job would disagree)."""

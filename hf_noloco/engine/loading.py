@@ -8,6 +8,7 @@ holds, are computed by the model's own ``_init_weights``, as ``from_pretrained``
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import zlib
@@ -193,6 +194,13 @@ class BuiltStage:
     stage: PipelineStage
     folder: str | None = None  # a fine-tuned checkpoint's files (its card, its license)
     generation_config: GenerationConfig | None = None
+    base_model: str | None = None  # the Hub id or folder it came from (the card's base_model)
+    export_config: PretrainedConfig | None = None  # its config as built (before the Trainer changes it)
+    weights_dtype: torch.dtype = torch.float32  # what the model was asked in: the export's too
+
+    def __post_init__(self):
+        self.export_config = copy.deepcopy(self.stage.config)
+        self.weights_dtype = next(self.stage.parameters()).dtype
 
 
 def stage_from_source(
@@ -219,7 +227,8 @@ def stage_from_source(
         if check is not None:
             check(model.config)
         stage = split_model(model, stage_index, num_stages, stage_boundaries, stage_balance).to(device)
-        return BuiltStage(stage, generation_config=getattr(model, "generation_config", None))
+        generation = getattr(model, "generation_config", None)
+        return BuiltStage(stage, None, generation, getattr(model.config, "name_or_path", None) or None)
     init = model_init_kwargs or {}
     trust = init.get("trust_remote_code", False)
     folder = generation = None
@@ -252,7 +261,7 @@ def stage_from_source(
         attn_implementation=init.get("attn_implementation"),
         trust_remote_code=trust,
     )
-    return BuiltStage(stage, folder, generation)
+    return BuiltStage(stage, folder, generation, model if isinstance(model, str) else None)
 
 
 def keep_float32_masters(stage: nn.Module) -> bool:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hf_noloco.engine.comm import free_port, group_timeout, use_stream_waits
-from hf_noloco.rules import mesh_shape, rank_of
+from hf_noloco.engine.shape import mesh_shape, rank_of
 
 
 @dataclass

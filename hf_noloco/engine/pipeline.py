@@ -119,6 +119,13 @@ class PipelineEngine:
 
     # ----------------------------------------------------------------------------------------- public
 
+    def route_over(self, live_replicas: list[int]) -> None:
+        """From the next step on, samples are routed among ``live_replicas`` only (the live replicas changed:
+        ``on_replica_loss="continue"``)."""
+        self.router = Router(
+            self.mesh.num_replicas, self.router.granularity, self.router.seed, live=live_replicas
+        )
+
     def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
         """Forward and backward of every microbatch of ``batch`` (gradients accumulate in ``.grad``)."""
         result = self._run(batch, self.router, self.microbatch_size, training=True)

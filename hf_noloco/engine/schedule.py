@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hf_noloco.engine.routing import Router, group_rows_by_peer
-from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice, rank_of
+from hf_noloco.engine.shape import rank_of
+from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice
 
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 

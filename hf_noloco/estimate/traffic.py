@@ -36,9 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from hf_noloco.engine.routing import Router
+from hf_noloco.engine.shape import mesh_shape
 from hf_noloco.outer.compression import is_compressed, wire_bytes
 from hf_noloco.outer.settings import OuterSettings
-from hf_noloco.rules import OUTER_STEP_METHODS, ROUTINGS, check_choice, check_positive_int, mesh_shape
+from hf_noloco.rules import OUTER_STEP_METHODS, ROUTINGS, check_choice, check_positive_int
 
 
 def record_bytes_per_row(seq_len: int) -> int:

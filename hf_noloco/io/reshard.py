@@ -2,8 +2,8 @@
 checkpoint with other stage boundaries, another ``pipeline_stages``, another number of replicas, or after a
 replica loss. Pure: no files, no tensors, no communication.
 
-A checkpoint holds one folder per (stage, replica) of the mesh that wrote it (:mod:`hf_noloco.io.checkpoint`).
-Rank (stage ``s``, replica ``r``) of another mesh takes
+A checkpoint holds one folder per (stage, replica) of the mesh that wrote it
+(:mod:`hf_noloco.io.checkpoint_files`). Rank (stage ``s``, replica ``r``) of another mesh takes
 
 - **its replica** from one saved replica (:func:`replica_sources`). Replicas are never averaged: under NoLoCo
   each is a model of its own, whose weights, inner optimizer moments, slow weights and outer momentum belong

@@ -30,8 +30,8 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_noloco.config import NoLoCoConfig, check_config
-from hf_noloco.launch.arguments import DataArguments, ModelArguments, model_config_values
-from hf_noloco.resilience.joining import is_joining
+from hf_noloco.data.arguments import DataArguments
+from hf_noloco.launch.arguments import ModelArguments, model_config_values
 from hf_noloco.resilience.membership import ReplicaDropped
 from hf_noloco.resilience.preemption import PREEMPTED_EXIT_STATUS
 from hf_noloco.rules import check_merge_adapter, check_model_init_kwargs, check_streamed_training
@@ -257,7 +257,7 @@ def check_recipe(argv: list[str], model_config: dict | None = None):
                 revision=model_args.model_revision,
                 trust_remote_code=model_args.trust_remote_code,
             ).to_dict()
-        from hf_noloco.adapters import lora_config_of
+        from hf_noloco.adapters.settings import lora_config_of
 
         check_model_config(model_config_values(model_config), config, lora_config_of(model_args))
     return model_args, data_args, config
@@ -295,7 +295,7 @@ def check_model_config(values: dict, settings, peft_config=None) -> None:
         raise ValueError(f"model_config: {str(exc).splitlines()[0]}") from None
     check_llama_layout(model)
     if peft_config is not None:
-        from hf_noloco.adapters import add_adapters
+        from hf_noloco.adapters.stage import add_adapters
 
     for stage_index in range(settings.pipeline_stages):
         stage = split_model(
@@ -373,7 +373,7 @@ def _load_tokenizer(model_args: ModelArguments, data_args: DataArguments, config
             ) from exc
     # From scratch: rank 0 trains a BPE tokenizer on the training documents; the others load it.
     folder = os.path.join(config.output_dir, "tokenizer")
-    if is_joining():  # a column joining a live run loads the run's (its stand-in group has no barrier)
+    if config.joining:  # a column joining a live run loads the run's (its stand-in group has no barrier)
         for name in ("tokenizer_config.json", "tokenizer.json"):
             wait_for_file(os.path.join(folder, name), config.ddp_timeout)
         return AutoTokenizer.from_pretrained(folder)
@@ -453,7 +453,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
     if "wandb" in config.report_to and not _wandb_configured():
         os.environ.setdefault("WANDB_MODE", "offline")  # never prompt a user who is not logged in
         os.environ.setdefault("WANDB_DIR", config.output_dir)
-    from hf_noloco.adapters import lora_config_of
+    from hf_noloco.adapters.settings import lora_config_of
     from hf_noloco.data.datasets import datasets_from_args
     from hf_noloco.trainer import NoLoCoTrainer
 
@@ -487,7 +487,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, config: NoLoCoCo
         resume = "auto"  # that one if any, else a fresh start
     try:
         trainer.train(resume_from_checkpoint=resume)
-        if trainer.preemption.stopped:  # a checkpoint was written: no evaluation, no export
+        if trainer.parts.preemption.stopped:  # a checkpoint was written: no evaluation, no export
             trainer.end()
             sys.exit(PREEMPTED_EXIT_STATUS)
         metrics = trainer.evaluate() if eval_set is not None else {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import re
 
-from hf_noloco.rules import docstring_entries
+from hf_noloco.docstrings import docstring_entries
 
 _ENTRY = re.compile(r"^(\w+) \((.*)\):$")
 
@@ -38,7 +38,8 @@ def _intro(cls) -> str:
 
 def options_page() -> str:
     from hf_noloco.config import NoLoCoConfig
-    from hf_noloco.launch.arguments import DataArguments, ModelArguments
+    from hf_noloco.data.arguments import DataArguments
+    from hf_noloco.launch.arguments import ModelArguments
 
     lines = [
         "# Options",

@@ -1,7 +1,8 @@
 """The outer optimizer's settings, as :class:`~hf_noloco.outer.optimizer.OuterOptimizer` receives them.
 
-The fields carry the names of :class:`~hf_noloco.NoLoCoConfig`'s options, so a setting has one name in every
-layer; :meth:`OuterSettings.of` takes them from a config (or any object with those attributes).
+They are declared here once: :class:`~hf_noloco.NoLoCoConfig` inherits these fields (their ``--help`` texts
+are in its docstring, beside the other options), so a setting has one name, type and default in every layer.
+:meth:`OuterSettings.of` copies them out of a config (or any object with those attributes).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from hf_noloco.rules import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass
 class OuterSettings:
-    """The outer optimizer's settings, resolved and checked.
+    """The outer optimizer's settings, resolved and checked (:meth:`resolve`, when made).
 
     ``None`` hyperparameters become the paper's default for ``outer_optimizer`` (gamma: equal to beta), then
     every value is checked. ``ddp`` and ``local`` have no outer step: their hyperparameters stay ``None``.
@@ -40,7 +41,8 @@ class OuterSettings:
             block-scaled format with error feedback, ``"int8"``, ``"float8_e4m3"``, ``"int4"``
             (:mod:`hf_noloco.outer.compression`). The outer state itself stays float32.
         offload_outer_state: keep the slow weights and the momentum on the CPU.
-        routing_seed: shared by every rank; draws the gossip groups.
+        routing_seed: shared by every rank; draws the gossip groups. ``None``: 0 (a config resolves it to its
+            ``seed`` first).
         outer_overlap_steps: tau, inner steps that run while an outer step's exchange is in flight (0: the
             exchange blocks). In [0, inner_steps]; noloco and diloco only.
     """
@@ -53,18 +55,24 @@ class OuterSettings:
     gossip_group_size: int = 2
     outer_dtype: OuterDtype = "float32"
     offload_outer_state: bool = False
-    routing_seed: int = 0
+    routing_seed: int | None = None
     outer_overlap_steps: int = 0
 
     @classmethod
     def of(cls, config) -> OuterSettings:
         """The settings of ``config``'s same-named attributes (``routing_seed`` ``None``: ``config.seed``)."""
-        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(OuterSettings)}
         if values["routing_seed"] is None:
-            values["routing_seed"] = config.seed
-        return cls(**values)
+            values["routing_seed"] = getattr(config, "seed", 0)
+        return OuterSettings(**values)
 
     def __post_init__(self):
+        self.resolve()
+
+    def resolve(self) -> None:
+        """Every ``None`` becomes its default, in place, and every value is checked."""
+        if self.routing_seed is None:
+            self.routing_seed = 0
         method = self.outer_optimizer
         check_choice("outer_optimizer", method, OUTER_METHODS)
         check_choice("outer_dtype", self.outer_dtype, OUTER_DTYPES)
@@ -83,9 +91,9 @@ class OuterSettings:
         defaults = PAPER_DEFAULTS[method]
         for name, default in defaults.items():
             if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
+                setattr(self, name, default)
         if method == "noloco" and self.outer_averaging is None:
-            object.__setattr__(self, "outer_averaging", self.outer_lr)
+            self.outer_averaging = self.outer_lr
         check_positive_int("inner_steps", self.inner_steps, "H, inner steps per outer step")
         if not 0 <= tau <= self.inner_steps:
             raise ValueError(
@@ -127,11 +135,6 @@ class OuterSettings:
     def sends_slow_weights(self) -> bool:
         """With gamma == beta the slow weights cancel out of the update: only fast weights travel."""
         return self.outer_optimizer == "noloco" and self.outer_averaging != self.outer_lr
-
-    def resolved_fields(self) -> dict:
-        """The resolved hyperparameters, by option name (what a config writes back into its fields)."""
-        names = ("inner_steps", "outer_lr", "outer_momentum", "outer_averaging")
-        return {name: getattr(self, name) for name in names}
 
     def check_replicas(self, num_replicas: int) -> None:
         """Refuses a mesh this method cannot run on."""

@@ -26,7 +26,8 @@ _ABSENT = "hf_noloco_absent"
 
 
 def is_joining() -> bool:
-    """Whether this process was started to join a live run (``column_launch --join`` sets it)."""
+    """Whether this process was started to join a live run (``column_launch --join`` sets it). Read once, by
+    :class:`~hf_noloco.NoLoCoConfig` (its ``joining``): every other part is told."""
     return os.environ.get(JOIN_ENV) == "1"
 
 
@@ -34,12 +35,12 @@ def join_live_run(timeout_s: float) -> bool:
     """Stands this process in an absent default group of the run's size (rank from the environment), on the
     run's store under the key prefix the live ranks' default group has (``env://`` with the agent's store:
     ``default_pg/``), so that the groups made by name later are found by every member. Returns whether it
-    did (only when :func:`is_joining` and no group is initialised yet)."""
+    did (only when no group is initialised yet). Called for a joining process only."""
     import torch.distributed as dist
 
     from hf_noloco.resilience.elastic import launcher_store
 
-    if dist.is_initialized() or not is_joining():
+    if dist.is_initialized():
         return False
     try:
         from torch._C._distributed_c10d import FakeProcessGroup as fake

@@ -144,7 +144,7 @@ class Membership:
         self.silence, self.on_change, self.poll = silence, on_change, poll
         self.view = 0
         self.live = list(range(num_replicas))
-        self._prefix = f"{watch._prefix}/live"
+        self._prefix = f"{watch.prefix}/live"
         self._fences = 0  # fences passed in the current view
         self.interrupted = threading.Event()  # a newer view exists: waits raise, the step goes on offline
         self._beats: dict[int, tuple[int, float]] = {}
@@ -209,7 +209,7 @@ class Membership:
         now = time.monotonic()
         silent = []
         others = [r for r in (self.live_ranks() if ranks is None else ranks) if r != self.rank]
-        keys = [f"{self.watch._prefix}/beat/{rank}" for rank in others]
+        keys = [f"{self.watch.prefix}/beat/{rank}" for rank in others]
         if keys and self.store.check(keys):  # every counter exists: one request reads them all
             beats = [int(value) for value in self.store.multi_get(keys)]
         else:  # (get would wait for a missing one) add(0) reads a counter, creating it at 0

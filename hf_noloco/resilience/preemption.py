@@ -53,17 +53,15 @@ class Preemption(TrainerCallback):
         self._previous_handler = None
         self.stopped = False  # whether training stopped for a SIGTERM (a checkpoint was written)
 
-    @classmethod
-    def of(cls, trainer) -> Preemption:
-        """The trainer's, in place of the Trainer's own ``enable_jit_checkpoint`` callback, which each rank
-        would run by itself: every rank saving when its own signal came, a collective that cannot meet."""
-        for callback in list(trainer.callback_handler.callbacks):
+    def take_over(self, callback_handler) -> None:
+        """Stands in for the Trainer's own ``enable_jit_checkpoint`` callback, which each rank would run by
+        itself (every rank saving when its own signal came: a collective that cannot meet): that callback is
+        removed from ``callback_handler``, after its own ``on_train_end`` has given SIGTERM back the handler
+        it replaced."""
+        for callback in list(callback_handler.callbacks):
             if type(callback).__name__ == "JITCheckpointCallback":
-                manager = getattr(callback, "jit_manager", None)
-                if manager is not None and manager._original_sigterm_handler is not None:
-                    signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
-                trainer.callback_handler.remove_callback(callback)
-        return cls(trainer.mesh, trainer.replica_loss, trainer.args.enable_jit_checkpoint)
+                callback.on_train_end(None, None, None)
+                callback_handler.remove_callback(callback)
 
     def _handle(self, signum, frame) -> None:
         if self._signalled_at is None:

@@ -74,6 +74,11 @@ class PeerWatch:
         if beating:
             self._thread.start()
 
+    @property
+    def prefix(self) -> str:
+        """The prefix of this attempt's store keys (the membership keeps its own keys under it)."""
+        return self._prefix
+
     def start_beating(self) -> None:
         if not self._thread.is_alive() and not self._stop.is_set():
             self._thread.start()
@@ -210,7 +215,9 @@ class PeerWatch:
 def _second_connection(store: dist.Store) -> dist.Store:
     """A new client connection to the TCPStore behind ``store`` (keys without the process group's prefix),
     or ``store`` itself when it is not a TCPStore."""
-    base = store._underlying_non_prefix_store if isinstance(store, dist.PrefixStore) else store
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
     if not isinstance(base, dist.TCPStore):
         return store
     return dist.TCPStore(base.host, base.port, is_master=False, timeout=base.timeout)

@@ -28,7 +28,7 @@ def rows(n: int, seed: int) -> list[list[int]]:
 
 
 def _lora_run(folder):
-    from hf_noloco.adapters import lora_config
+    from hf_noloco.adapters.settings import lora_config
     from hf_noloco.trainer import NoLoCoTrainer
 
     data = [[(i * 7 + j * (1 + i % 5)) % VOCAB for j in range(BLOCK)] for i in range(96)]
@@ -142,7 +142,8 @@ def consensus_logits(base_folder, stage_states, ids):
     replicas' tensors."""
     from transformers import AutoModelForCausalLM
 
-    from hf_noloco.adapters import add_adapters, lora_config
+    from hf_noloco.adapters.settings import lora_config
+    from hf_noloco.adapters.stage import add_adapters
 
     model = AutoModelForCausalLM.from_pretrained(base_folder)
     hidden = ids
@@ -156,7 +157,7 @@ def consensus_logits(base_folder, stage_states, ids):
 
 
 def _tied(folder, stages):
-    from hf_noloco.adapters import lora_config
+    from hf_noloco.adapters.settings import lora_config
     from hf_noloco.trainer import NoLoCoTrainer
 
     data = rows(32, 1)

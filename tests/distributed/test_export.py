@@ -11,7 +11,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from hf_noloco.engine.loading import build_stage
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.io.card import plot_training_curves, render_model_card
-from hf_noloco.io.export import build_model_from_state_dict, gather_full_state_dict, save_consensus_checkpoint
+from hf_noloco.io.full_checkpoint import (
+    build_model_from_state_dict,
+    gather_full_state_dict,
+    save_consensus_checkpoint,
+)
 from hf_noloco.launch.local_launch import run_distributed
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from hf_noloco.io import checkpoint
+from hf_noloco.io import checkpoint_files as checkpoint
 from hf_noloco.launch.local_launch import run_distributed
 from tests.helpers.runs import byte_config, byte_corpus, make_args
 

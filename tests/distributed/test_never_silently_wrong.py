@@ -76,7 +76,7 @@ def test_tied_weights_in_one_stage_checkpoint_resume_exactly_and_export_tied(tmp
 
 
 def _diloco_tied_with_skewed_sums(out, share):
-    from hf_noloco.outer import optimizer as outer_module
+    from hf_noloco.outer import diloco as outer_module
     from hf_noloco.trainer import NoLoCoTrainer
 
     real = dist.all_reduce
@@ -97,13 +97,13 @@ def _diloco_tied_with_skewed_sums(out, share):
 
     outer_module.dist.all_reduce = skewed
     if not share:
-        outer_module.OuterOptimizer._share_tied_state = lambda self: None
+        outer_module.DiLoCoAllReduce.after_update = lambda self: None
     args = make_args(out, outer_optimizer="diloco", inner_steps=2, max_steps=6, eval_strategy="no")
     trainer = NoLoCoTrainer(byte_config(tied=True), args, train_dataset=byte_corpus(256))
     trainer.train()
-    copy = trainer.tied.weight.detach().clone()
+    copy = trainer.parts.tied.weight.detach().clone()
     theirs = torch.empty_like(copy)
-    wait_sends(exchange([(copy, trainer.tied.peer)], [(theirs, trainer.tied.peer)], 60.0), 60.0)
+    wait_sends(exchange([(copy, trainer.parts.tied.peer)], [(theirs, trainer.parts.tied.peer)], 60.0), 60.0)
     outer_module.dist.all_reduce = real
     trainer.end()
     return torch.equal(copy, theirs)

@@ -212,7 +212,7 @@ def _streamed_run(folder, steps):
             {k: h[k] for k in ("step", "loss", "epoch")} for h in trainer.state.log_history if "loss" in h
         ]
         weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        runs.append((logs, weights, metrics["eval_tokens"], trainer.loaders.train_stream.state_dict()))
+        runs.append((logs, weights, metrics["eval_tokens"], trainer.parts.loaders.train_stream.state_dict()))
     trainer.end()
     return runs
 
@@ -276,7 +276,7 @@ def _three_stages(folder):
     trainer = NoLoCoTrainer(config, args, train_dataset=train, eval_dataset=evaluation)
     trainer.train()
     loss = trainer.state.log_history[0]["loss"]
-    reads = trainer.loaders.train_stream.reads
+    reads = trainer.parts.loaders.train_stream.reads
     trainer.end()
     # The reference: the unsplit model, same initialisation, on the first 4 rows of the stream.
     model = build_stage(config, 0, 1, seed=args.seed)

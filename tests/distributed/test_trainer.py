@@ -11,8 +11,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from hf_noloco.data.arguments import DataArguments
 from hf_noloco.engine.partition import split_model
-from hf_noloco.launch.arguments import DataArguments
 from hf_noloco.launch.local_launch import run_distributed
 from tests.helpers.fake_hub import FakeHub
 from tests.helpers.paths import ROOT
@@ -274,7 +274,10 @@ def _offloaded_outer_state(out):
     OuterOptimizer.state_dict = lambda self: round_trips.append(1) or state_dict(self)
 
     def placement(trainer):
-        return {(t.device.type, t.is_pinned()) for t in trainer.outer._phi_flat + trainer.outer._delta_flat}
+        return {
+            (t.device.type, t.is_pinned())
+            for t in trainer.outer.outer_state.phi_flat + trainer.outer.outer_state.delta_flat
+        }
 
     args = dict(
         pipeline_stages=1,

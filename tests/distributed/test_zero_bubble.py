@@ -80,7 +80,8 @@ def _both_schedules(pp, layers, boundaries, variants):
         if variant == "checkpointing":
             stage.activation_checkpointing_enable()
         if variant == "lora":
-            from hf_noloco.adapters import add_adapters, lora_config
+            from hf_noloco.adapters.settings import lora_config
+            from hf_noloco.adapters.stage import add_adapters
 
             add_adapters(stage, lora_config(4, 8, 0.0, ["q_proj", "v_proj", "down_proj"]))
             with torch.no_grad():  # LoRA's B starts at zero: moved, every adapter's gradient is nonzero

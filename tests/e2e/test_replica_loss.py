@@ -284,7 +284,7 @@ def test_a_lost_store_ends_every_rank_within_p2p_timeout_naming_it(tmp_path):
 def test_a_checkpoint_written_after_a_loss_is_accepted_for_resume(tmp_path):
     """Its record names the live replicas (a resume reshards onto them or the full mesh:
     tests/distributed/test_mesh_change.py); another outer method is still refused."""
-    from hf_noloco.io.checkpoint import MESH_FILE, check_mesh_record
+    from hf_noloco.io.checkpoint_files import MESH_FILE, check_mesh_record
 
     record = {"pipeline_stages": 2, "num_replicas": 4, "layer_ranges": [[0, 2], [2, 4]]}
     record["outer_optimizer"] = "noloco"
@@ -298,7 +298,7 @@ class _Watch:
     """What Membership reads from comm.PeerWatch: the store, the key prefix and the heartbeat interval."""
 
     def __init__(self, store):
-        self.store, self._prefix, self.interval = store, "hf_noloco/0", 0.05
+        self.store, self.prefix, self.interval = store, "hf_noloco/0", 0.05
 
 
 def test_members_agree_on_the_first_proposal_and_a_dropped_rank_leaves():

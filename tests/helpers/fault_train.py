@@ -112,12 +112,13 @@ def install_fault(trainer, rank: int) -> None:
     kind, step, victim = spec.split(":")
     step, victim = int(step), int(victim)
     if kind == "bug-eval":  # on every rank: a bug raising a RuntimeError that reads like a lost peer's
-        import hf_noloco.trainer as trainer_module
+        import hf_noloco.components.evaluation as evaluation_module
 
         def broken(*args, **kwargs):
             raise RuntimeError("CUDA error: an NCCL operation timed out (Socket closed)")
 
-        trainer_module.evaluate_pipeline = broken
+        evaluation_module.pooled_eval_loss = broken
+        trainer.get_eval_dataloader = lambda *args, **kwargs: []  # the run has no evaluation set
         trainer.add_callback(EvaluateAtStep(step))
         return
     if rank != victim:
@@ -143,7 +144,7 @@ def install_fault(trainer, rank: int) -> None:
 
         trainer.model.register_forward_hook(hook)
     elif kind == "nan-grad":
-        train_step = trainer.engine.train_step
+        train_step = trainer.parts.engine.train_step
 
         def poisoned(batch):
             result = train_step(batch)
@@ -153,9 +154,9 @@ def install_fault(trainer, rank: int) -> None:
                 )
             return result
 
-        trainer.engine.train_step = poisoned
+        trainer.parts.engine.train_step = poisoned
     elif kind == "kill-outer":
-        from hf_noloco.outer import optimizer as outer
+        from hf_noloco.outer import noloco as outer
 
         exchange = outer.exchange
 
@@ -168,9 +169,9 @@ def install_fault(trainer, rank: int) -> None:
     elif kind == "kill-save":
         from safetensors.torch import save_file
 
-        from hf_noloco.io.checkpoint import rank_folder
+        from hf_noloco.io.checkpoint_files import rank_folder
 
-        write_rank_state = trainer.checkpointer._write_rank_state
+        write_rank_state = trainer.parts.checkpointer._write_rank_state
 
         def half_save(folder):
             if trainer.state.global_step != step:
@@ -183,7 +184,7 @@ def install_fault(trainer, rank: int) -> None:
             )
             die()
 
-        trainer.checkpointer._write_rank_state = half_save
+        trainer.parts.checkpointer._write_rank_state = half_save
     elif kind in ("sigterm-agent", "sigterm-self"):  # at the start of `step`'s second microbatch
 
         def hook(module, args):
@@ -255,7 +256,7 @@ def run(out: str) -> None:
     resume = os.environ.get("RESUME") or None
     try:
         trainer.train(resume_from_checkpoint=True if resume == "1" else resume)
-        if trainer.preemption.stopped:  # as hf-noloco-train does: no results, no export, status 143
+        if trainer.parts.preemption.stopped:  # as hf-noloco-train does: no results, no export, status 143
             print(f"fault_train: preempted after step {trainer.state.global_step}", flush=True)
             trainer.end()
             sys.exit(143)
@@ -278,7 +279,7 @@ def run(out: str) -> None:
             "live_replicas": trainer.mesh.live_replicas,
             "tokens_seen": trainer.tokens_seen,
             "adam_steps": sorted({int(s["step"]) for s in inner.state.values()}),
-            "joins": trainer.live_replicas.joins,
+            "joins": trainer.parts.live_replicas.joins,
             "weights_at": record.weights if record is not None else {},
             "rows": record.rows if record is not None else {},
         },

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_noloco.engine.mesh import PipelineMesh
-from hf_noloco.io import checkpoint
+from hf_noloco.io import checkpoint_files as checkpoint
 
 STAGES, REPLICAS = 2, 2
 RECORD = {

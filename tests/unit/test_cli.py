@@ -8,9 +8,10 @@ import pytest
 import yaml
 
 from hf_noloco.config import NoLoCoConfig
-from hf_noloco.launch.arguments import DataArguments, ModelArguments
+from hf_noloco.data.arguments import DataArguments
+from hf_noloco.docstrings import docstring_entries, is_package_field
+from hf_noloco.launch.arguments import ModelArguments
 from hf_noloco.launch.cli import NoLoCoArgumentParser, parse_args
-from hf_noloco.rules import docstring_entries
 from tests.helpers.paths import ROOT
 from tests.helpers.tiny_models import tiny_model
 
@@ -80,7 +81,7 @@ def test_help_shows_every_options_whole_docstring_entry():
     help_text = _normalised(NoLoCoArgumentParser().format_help())
     for dtype in (NoLoCoConfig, ModelArguments, DataArguments):
         entries = docstring_entries(dtype.__doc__)
-        own = [f.name for f in dataclasses.fields(dtype) if f.name in dtype.__annotations__]
+        own = [f.name for f in dataclasses.fields(dtype) if f.init and is_package_field(dtype, f.name)]
         assert own and set(own) <= set(entries), set(own) - set(entries)  # every own option is documented
         for name in own:
             assert len(entries[name]) > 20, name

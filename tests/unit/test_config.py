@@ -3,7 +3,7 @@
 import pytest
 
 from hf_noloco.config import NoLoCoConfig, check_config
-from hf_noloco.rules import routing_group_size
+from hf_noloco.engine.shape import routing_group_size
 
 
 @pytest.mark.parametrize(

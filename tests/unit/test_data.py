@@ -15,9 +15,9 @@ from transformers import AutoTokenizer
 from hf_noloco.data import corpus as builtin_docs
 from hf_noloco.data import datasets as data
 from hf_noloco.data import sources
+from hf_noloco.data.arguments import BUILTIN_DATASET
 from hf_noloco.data.encoding import make_encoder
 from hf_noloco.data.packing import encode_dataset, pack_wrapped
-from hf_noloco.rules import BUILTIN_DATASET
 from tests.helpers.chat_fixtures import WORDS
 
 datasets.disable_progress_bars()

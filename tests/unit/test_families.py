@@ -90,7 +90,7 @@ def test_a_checkpoint_with_computed_buffers_loads_and_exports_as_hf_does(tmp_pat
     """Gemma's embedding scale is a non-persistent buffer: no checkpoint holds it, so building a stage from
     the files and rebuilding the model for the export must compute it, as from_pretrained does."""
     from hf_noloco.engine.loading import build_stage
-    from hf_noloco.io.export import build_model_from_state_dict
+    from hf_noloco.io.full_checkpoint import build_model_from_state_dict
 
     config = family_config(family, 4)
     torch.manual_seed(0)

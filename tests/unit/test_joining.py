@@ -65,7 +65,7 @@ class _Watch:
     """What Membership reads from comm.PeerWatch."""
 
     def __init__(self, store):
-        self.store, self._prefix, self.interval = store, "hf_noloco/0", 0.05
+        self.store, self.prefix, self.interval = store, "hf_noloco/0", 0.05
 
     def start_beating(self):
         pass

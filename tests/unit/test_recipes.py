@@ -143,7 +143,8 @@ def test_the_chat_lora_recipe_sends_its_adapters_only(tmp_path, monkeypatch):
     """What the recipe's comment says: about 35 MB of fp32 adapters cross the network, not the 2 GB model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_noloco.adapters import add_adapters, lora_config_of
+    from hf_noloco.adapters.settings import lora_config_of
+    from hf_noloco.adapters.stage import add_adapters
     from hf_noloco.engine.partition import split_model
 
     monkeypatch.setenv("WORLD_SIZE", "8")

@@ -19,9 +19,9 @@ from datasets import Dataset, DatasetDict
 
 from hf_noloco.data import datasets as data
 from hf_noloco.data import sources
+from hf_noloco.data.arguments import DataArguments
 from hf_noloco.data.encoding import make_encoder
 from hf_noloco.data.packing import encode_dataset, truncation_report
-from hf_noloco.launch.arguments import DataArguments
 from tests.helpers.chat_fixtures import CHATML, chat_tokenizer, conversations, sentence
 
 datasets.disable_progress_bars()
