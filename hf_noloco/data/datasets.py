@@ -53,6 +53,24 @@ def _encoder(data: DataArguments, tokenizer, columns):
     )
 
 
+def documents(data: DataArguments, seed: int = 42) -> tuple[Dataset, Dataset]:
+    """The training and evaluation documents ``data`` names, before tokenization
+    (:func:`~hf_noloco.data.sources.load_splits`)."""
+    return load_splits(
+        data.dataset_name,
+        data.dataset_config,
+        data.dataset_text_field,
+        validation_split_percentage=data.validation_split_percentage,
+        seed=seed,
+        dataset_train_split=data.dataset_train_split,
+        dataset_test_split=data.dataset_test_split,
+        data_files=data.data_files,
+        data_dir=data.data_dir,
+        dataset_revision=data.dataset_revision,
+        dataset_mixture=data.dataset_mixture,
+    )
+
+
 def prepare_datasets(
     data: DataArguments | str,
     tokenizer,
@@ -76,19 +94,7 @@ def prepare_datasets(
     has none (:func:`~hf_noloco.data.encoding.set_pad_token`).
     """
     data = _data_arguments(data, max_length, options)
-    train_docs, eval_docs = load_splits(
-        data.dataset_name,
-        data.dataset_config,
-        data.dataset_text_field,
-        validation_split_percentage=data.validation_split_percentage,
-        seed=seed,
-        dataset_train_split=data.dataset_train_split,
-        dataset_test_split=data.dataset_test_split,
-        data_files=data.data_files,
-        data_dir=data.data_dir,
-        dataset_revision=data.dataset_revision,
-        dataset_mixture=data.dataset_mixture,
-    )
+    train_docs, eval_docs = documents(data, seed)
     encoder, layout = _encoder(data, tokenizer, train_docs.column_names)
     _check_same_format(eval_docs.column_names, encoder, data.dataset_name)
     pad_token_id = set_pad_token(tokenizer, data.pad_token)

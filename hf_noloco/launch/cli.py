@@ -356,7 +356,7 @@ def _load_tokenizer(model_args: ModelArguments, data_args: DataArguments, config
     from transformers import AutoTokenizer
 
     from hf_noloco.data.corpus import train_bpe_tokenizer
-    from hf_noloco.data.sources import load_splits
+    from hf_noloco.data.datasets import documents
 
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if name is not None:
@@ -379,19 +379,7 @@ def _load_tokenizer(model_args: ModelArguments, data_args: DataArguments, config
         return AutoTokenizer.from_pretrained(folder)
     with config.main_process_first(desc="tokenizer"):
         if config.process_index == 0:
-            train_docs, _ = load_splits(
-                data_args.dataset_name,
-                data_args.dataset_config,
-                data_args.dataset_text_field,
-                data_args.validation_split_percentage,
-                seed=config.seed,
-                dataset_train_split=data_args.dataset_train_split,
-                dataset_test_split=data_args.dataset_test_split,
-                data_files=data_args.data_files,
-                data_dir=data_args.data_dir,
-                dataset_revision=data_args.dataset_revision,
-                dataset_mixture=data_args.dataset_mixture,
-            )
+            train_docs, _ = documents(data_args, config.seed)
             if data_args.dataset_text_field not in train_docs.column_names:
                 raise ValueError(
                     "A tokenizer is trained from scratch on text documents: the dataset has no "
