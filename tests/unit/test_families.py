@@ -2,12 +2,14 @@
 Face's own logits, loss and every gradient, through the pipeline's own (chunked) loss; and the start-up proof
 refuses what the stages do not reproduce, naming it."""
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_noloco.engine.stage as stage_module
-from hf_noloco.engine.fidelity import shrunken_config, split_problem
+from hf_noloco.engine.fidelity import KEPT_LENGTH, PROOF_TOKENS, shrunken_config, split_problem
 from hf_noloco.engine.losses import next_token_losses, target_token_count
 from hf_noloco.engine.partition import split_model, stage_layer_ranges
 from tests.helpers.tiny_models import FAMILIES, family_config, make_batch
@@ -45,10 +47,26 @@ def test_stages_compute_the_models_logits_loss_and_gradients(family, stages, tie
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_start_up_proof_passes_every_proven_family(family):
+def test_the_start_up_proof_passes_every_proven_family_on_every_input_form(family):
+    """Every form (unpadded, padded and packed rows, the evaluation path), under eager attention and under
+    transformers' default (sdpa where the family has it, as a run that names none gets)."""
     config = family_config(family, 6, tied=family in ("gemma", "qwen3"))
-    for stages in (1, 3):
-        assert split_problem(config, stage_layer_ranges(6, stages), loss_chunk_tokens=1024) is None
+    for stages, attention in ((1, "eager"), (3, None)):
+        trial = copy.deepcopy(config)
+        trial._attn_implementation = attention
+        ranges = stage_layer_ranges(6, stages)
+        assert split_problem(trial, ranges, loss_chunk_tokens=1024) is None, (stages, attention)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gemma3_text", "granite"])
+def test_the_start_up_proof_passes_flattened_packed_rows_and_bfloat16_weights(family):
+    """A flash-attention run flattens packed rows (proven with a CPU implementation standing in for the
+    kernels), and bfloat16 weights take the glue's low-precision path: the families whose glue differs most
+    (sliding and full layers, rotary per layer type, soft-capping, multipliers)."""
+    config = family_config(family, 6)
+    ranges = stage_layer_ranges(6, 2)
+    kwargs = dict(attn_implementation="flash_attention_2", dtype=torch.bfloat16)
+    assert split_problem(config, ranges, loss_chunk_tokens=1024, **kwargs) is None
 
 
 def test_what_the_stages_do_not_reproduce_is_refused_naming_it(monkeypatch):
@@ -69,8 +87,8 @@ def test_a_layer_type_the_stages_do_not_build_is_refused():
     config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValueError, match="'linear_attention' are not reproduced by the stages"):
         split_model(model, 1, 2)
-    # And a config that even the model cannot build is refused, not trained: the proof cannot be made.
-    assert "the split could not be proven" in split_problem(config, [(0, 1), (1, 2)])
+    # And the proof refuses it too, naming the layer type, before it runs either side.
+    assert "'linear_attention' are not reproduced by the stages" in split_problem(config, [(0, 1), (1, 2)])
 
 
 def test_the_shrunken_copy_keeps_each_stages_first_and_last_layer_and_their_settings():
@@ -82,7 +100,8 @@ def test_the_shrunken_copy_keeps_each_stages_first_and_last_layer_and_their_sett
     assert small.layer_types == [config.layer_types[i] for i in (0, 4, 5, 6, 11)]
     assert (small.hidden_size, small.head_dim) == (64, 16)
     assert small.final_logit_softcapping == config.final_logit_softcapping
-    assert small.query_pre_attn_scalar == config.query_pre_attn_scalar
+    # Its lengths are shrunk below the proof's rows, in their order (the window is the shorter).
+    assert KEPT_LENGTH < small.sliding_window < small.max_position_embeddings < PROOF_TOKENS
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2"])
