@@ -14,27 +14,24 @@ Failures: every wait of the training loop is bounded by ``p2p_timeout`` and ever
 
 from __future__ import annotations
 
-import logging
+import itertools
 import math
 import os
-import sys
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, default_data_collator
 
 from hf_noloco.components.inputs import check_trainer_inputs
+from hf_noloco.components.loaders import one_step
 from hf_noloco.components.run_parts import RunInputs, RunParts, build_run_parts
 from hf_noloco.components.run_record import finish_wandb
 from hf_noloco.config import NoLoCoConfig
 from hf_noloco.data.arguments import DataArguments
 from hf_noloco.data.streaming import TokenStream
-from hf_noloco.engine.comm import PeerError, is_lost_peer
+from hf_noloco.engine.comm import is_lost_peer
 from hf_noloco.io.checkpoint_files import PREFIX_CHECKPOINT_DIR
 from hf_noloco.resilience.membership import ReplicaDropped
-
-logger = logging.getLogger(__name__)
 
 BATCH_KEYS = ["input_ids", "labels", "attention_mask", "position_ids"]
 
@@ -101,7 +98,15 @@ class NoLoCoTrainer(Trainer):
             raise TypeError(f"NoLoCoTrainer needs a NoLoCoConfig, got {type(args).__name__}.")
         check_trainer_inputs(model, args, train_dataset, peft_config, kwargs)
         collate = data_collator or default_data_collator
-        inputs = RunInputs(train_dataset, eval_dataset, processing_class, collate, data_args, peft_config)
+        inputs = RunInputs(
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            collate,
+            data_args,
+            peft_config,
+            data_collator is not None,
+        )
         # The Trainer's private RNG writer is the only way to write its random states in its own format.
         self.parts: RunParts = build_run_parts(
             model, args, inputs, self._save_rng_state, self.get_decay_parameter_names
@@ -145,7 +150,7 @@ class NoLoCoTrainer(Trainer):
 
     def get_total_train_batch_size(self, args) -> int:
         # The stages of a replica share its batch: the global batch counts replicas, not processes.
-        return args.per_device_train_batch_size * self.mesh.num_replicas
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.mesh.num_replicas
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
@@ -213,7 +218,15 @@ class NoLoCoTrainer(Trainer):
                 raise
             raise error from exc
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # One pipeline step per optimizer step (loaders.one_step). The Trainer's loop calls training_step once
+        # per batch collected: the first ones are placeholders (None) that training_step passes over.
+        batches = list(itertools.islice(epoch_iterator, num_batches))
+        return ([None] * (len(batches) - 1) + [one_step(batches)] if len(batches) > 1 else batches), None
+
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if inputs is None:  # a placeholder of get_batch_samples: its rows are in the step's last batch
+            return torch.zeros((), device=self.args.device)
         parts = self.parts
         parts.replica_loss.begin_step()
         step = self.state.global_step + 1
@@ -264,7 +277,8 @@ class NoLoCoTrainer(Trainer):
         )
 
     def floating_point_ops(self, inputs) -> float:
-        return self.parts.throughput.count(inputs)  # the FLOPs of this rank's tokens; it counts them too
+        # The FLOPs of this rank's tokens (it counts them too); none for get_batch_samples' placeholders.
+        return self.parts.throughput.count(inputs) if inputs is not None else 0.0
 
     def store_flos(self) -> None:
         flos = torch.tensor([float(self.current_flos)], dtype=torch.float64, device=self.args.device)
@@ -376,23 +390,12 @@ class NoLoCoTrainer(Trainer):
 
     def end(self):
         """Finishes the wandb run (the Trainer never does) and destroys the process group. After a replica
-        loss (``on_replica_loss="continue"``) this process ends here, with status 0: see below."""
+        loss (``on_replica_loss="continue"``) this process ends here, with status 0
+        (:meth:`~hf_noloco.resilience.policy.ReplicaLossPolicy.tear_down` says why)."""
         policy = self.parts.replica_loss
         if self.is_world_process_zero():
             finish_wandb()
-        try:
-            policy.barrier()
-        except PeerError:  # a rank lost at the very end: nothing left to wait for
-            if not policy.continues:
-                raise
+        policy.last_barrier()
         self.close_watchers()
         super().end()
-        if not policy.may_tear_down_groups():
-            # Operations given up after the loss stay posted in gloo, threads waiting on them: destroyed at
-            # exit, they abort the process (status 134, a failed job to a scheduler). All is written: skip.
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        policy.tear_down()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hf_noloco.data.streaming import TokenStream
+from hf_noloco.engine.fidelity import forms_of_rows
 from hf_noloco.rules import check_merge_adapter, check_streamed_training
 
 
@@ -40,3 +41,27 @@ def check_dataset_size(dataset, needed: int) -> None:
             f"The training set has {len(dataset)} samples, fewer than one batch per replica ({needed}: "
             "replicas x per_device_train_batch_size). Use more data or a smaller batch."
         )
+
+
+def proof_forms(train_dataset, eval_dataset, custom_collator: bool) -> set[str] | None:
+    """The input forms this run feeds its stages (what :func:`~hf_noloco.engine.fidelity.verify_split`
+    proves), or ``None`` (every form) when a user's collator or a dataset without known columns leaves them
+    open."""
+    if custom_collator:
+        return None
+    evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+    evals = [d for d in evals if d is not None]
+    forms = set()
+    for dataset in [train_dataset, *evals]:
+        if dataset is None:
+            continue
+        if isinstance(dataset, TokenStream):
+            forms.add("unpadded" if dataset.packing else "padded")
+            continue
+        columns = getattr(dataset, "column_names", None)
+        if not columns:
+            return None
+        forms.add(forms_of_rows(columns))
+    if evals:
+        forms.add("evaluation")
+    return forms or None

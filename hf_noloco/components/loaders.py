@@ -8,6 +8,7 @@ checkpoints, and only on the stages that use the batch's tensors.
 
 from __future__ import annotations
 
+import torch
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader
 
@@ -87,3 +88,9 @@ class ReplicaLoaders:
             self.train_stream.load_state_dict(state)
         else:
             self._stream_position = state
+
+
+def one_step(batches: list[dict]) -> dict:
+    """An optimizer step's batches (``gradient_accumulation_steps`` of them) as one batch, rows in order: the
+    pipeline runs them as one step, one schedule over all their microbatches."""
+    return {key: torch.cat([batch[key] for batch in batches]) for key in batches[0]}

@@ -24,7 +24,7 @@ from hf_noloco.adapters.stage import add_adapters, trainable_state_dict
 from hf_noloco.components.checkpointer import RunCheckpointer
 from hf_noloco.components.evaluation import Evaluation
 from hf_noloco.components.exporter import Exporter
-from hf_noloco.components.inputs import check_dataset_size
+from hf_noloco.components.inputs import check_dataset_size, proof_forms
 from hf_noloco.components.loaders import ReplicaLoaders
 from hf_noloco.components.metrics import Throughput
 from hf_noloco.components.run_record import RunRecord
@@ -34,7 +34,7 @@ from hf_noloco.components.training_step import TrainingStep
 from hf_noloco.config import NoLoCoConfig
 from hf_noloco.data.arguments import DataArguments
 from hf_noloco.engine.fidelity import verify_split
-from hf_noloco.engine.loading import BuiltStage, keep_float32_masters, stage_from_source
+from hf_noloco.engine.loading import BuiltStage, keep_float32_masters, stage_from_source, weights_dtype
 from hf_noloco.engine.mesh import PipelineMesh, ensure_process_group
 from hf_noloco.engine.pipeline import PipelineEngine
 from hf_noloco.engine.routing import Router
@@ -58,6 +58,7 @@ class RunInputs:
     tokenizer: object = None
     collate_fn: Callable | None = None
     data_args: DataArguments | None = None
+    user_collator: bool = False  # the collator is the user's (then the rows' forms are unknown)
     peft_config: object = None  # a peft.LoraConfig
 
 
@@ -113,9 +114,22 @@ class RunParts:
         return outer
 
 
-def _check_split(args: NoLoCoConfig, num_stages: int, config: PretrainedConfig) -> None:
-    trust = (args.model_init_kwargs or {}).get("trust_remote_code", False)
-    verify_split(config, num_stages, args.stage_boundaries, args.stage_balance, args.loss_chunk_tokens, trust)
+def _check_split(args: NoLoCoConfig, num_stages: int, forms, model, config: PretrainedConfig) -> None:
+    """The start-up proof of the split, on the input forms the run feeds its stages, at its attention
+    implementation and dtype."""
+    init = args.model_init_kwargs or {}
+    dtype = model.dtype if isinstance(model, PreTrainedModel) else weights_dtype(init.get("dtype"), config)
+    verify_split(
+        config,
+        num_stages,
+        args.stage_boundaries,
+        args.stage_balance,
+        args.loss_chunk_tokens,
+        init.get("trust_remote_code", False),
+        attn_implementation=init.get("attn_implementation"),  # None: transformers' default
+        forms=forms,
+        dtype=dtype,
+    )
 
 
 def _autocast(args: NoLoCoConfig) -> Callable[[], contextlib.AbstractContextManager]:
@@ -126,9 +140,15 @@ def _autocast(args: NoLoCoConfig) -> Callable[[], contextlib.AbstractContextMana
     return functools.partial(torch.autocast, device_type=args.device.type, dtype=torch.bfloat16)
 
 
-def _build_stage(model, args: NoLoCoConfig, mesh: PipelineMesh, peft_config) -> tuple[BuiltStage, object]:
+def _build_stage(
+    model, args: NoLoCoConfig, mesh: PipelineMesh, inputs: RunInputs
+) -> tuple[BuiltStage, object]:
     """This process's stage, verified, with its LoRA adapters, master weights and compiled layers."""
-    check = functools.partial(_check_split, args, mesh.num_stages) if args.verify_split else None
+    peft_config = inputs.peft_config
+    forms = proof_forms(inputs.train_dataset, inputs.eval_dataset, inputs.user_collator)
+    check = (
+        functools.partial(_check_split, args, mesh.num_stages, forms, model) if args.verify_split else None
+    )
     source = stage_from_source(
         model,
         mesh.stage,
@@ -168,7 +188,7 @@ def build_run_parts(
     # 2. The stage; every replica of it starts identical (with adapters only the adapters need to agree: every
     #    replica read the same frozen base weights), and so do the two copies of tied embeddings. A joiner's
     #    state comes from a live replica instead.
-    source, peft_config = _build_stage(model, args, mesh, inputs.peft_config)
+    source, peft_config = _build_stage(model, args, mesh, inputs)
     stage = source.stage
     if not args.joining:
         trained = nn.ParameterList(trainable_state_dict(stage).values()) if peft_config else stage

@@ -96,7 +96,10 @@ class RunRecord:
             "outer_overlap_steps": outer.outer_overlap_steps if has_outer else None,
             "pipeline_schedule": args.pipeline_schedule,
             "microbatch_size": args.microbatch_size,
-            "global_batch_size": args.per_device_train_batch_size * mesh.num_replicas,
+            "global_batch_size": args.per_device_train_batch_size
+            * args.gradient_accumulation_steps
+            * mesh.num_replicas,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "max_length": self.data_args.max_length if self.data_args else None,
             "packing": _row_layout(self.train_dataset),
             "max_steps": (state.max_steps if state is not None else 0) or args.max_steps,

@@ -355,12 +355,13 @@ class _Proof:
 def _build(config: PretrainedConfig, ranges, proof: _Proof, dtype: torch.dtype, seed: int):
     torch.manual_seed(seed)
     config = copy.deepcopy(config)
-    config._attn_implementation = proof.attn_implementation
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=dtype, attn_implementation=proof.attn_implementation
+    )
     boundaries = [start for start, _ in ranges[1:]]
     stages = [split_model(model, s, len(ranges), boundaries or None) for s in range(len(ranges))]
     for stage in stages:
-        stage._flatten_packed = proof.flatten_packed
+        stage.flatten_packed = proof.flatten_packed
     return model, stages
 
 

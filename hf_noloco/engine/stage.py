@@ -147,7 +147,7 @@ class PipelineStage(nn.Module):
                 f"{unknown[0]!r} are not reproduced by the stages (they compute the masks of "
                 f"{', '.join(MASK_FUNCTIONS)})."
             )
-        self._flatten_packed: bool | None = (
+        self.flatten_packed: bool | None = (
             None  # None: as the attention implementation needs (tests force it)
         )
         self._checkpoint_fn = None  # set by activation_checkpointing_enable
@@ -277,7 +277,7 @@ class PipelineStage(nn.Module):
         """Whether packed rows (given position ids) are run as one flat row: flash-attention's kernels find
         sequence boundaries in the positions of a batch of one row only (a mask does the job for the other
         implementations)."""
-        return self._flatten_packed if self._flatten_packed is not None else _is_flash(self.config)
+        return self.flatten_packed if self.flatten_packed is not None else _is_flash(self.config)
 
     def _masks(self, hidden, attention_mask, position_ids) -> dict[str, torch.Tensor | None]:
         mask_kwargs = dict(

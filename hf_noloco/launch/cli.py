@@ -14,6 +14,7 @@ is that field's docstring entry.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import functools
@@ -30,7 +31,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_noloco.config import NoLoCoConfig, check_config
-from hf_noloco.data.arguments import DataArguments
+from hf_noloco.data.arguments import FORMER_DATA_NAMES, DataArguments
 from hf_noloco.launch.arguments import ModelArguments, model_config_values
 from hf_noloco.resilience.membership import ReplicaDropped
 from hf_noloco.resilience.preemption import PREEMPTED_EXIT_STATUS
@@ -66,6 +67,14 @@ class NoLoCoArgumentParser(HfArgumentParser):
             hints = typing.get_type_hints(dtype)  # once per class: it evaluates every annotation of the MRO
             self.field_types.update({f.name: hints[f.name] for f in dataclasses.fields(dtype) if f.init})
 
+    def _parse_dataclass_field(self, parser, field):
+        # A bare `--flag` means true for a `bool | None` option too (TRL's command lines write `--packing`):
+        # HfArgumentParser gives that form only to options whose default is a bool.
+        if field.type == bool | None and field.default is None and "nargs" not in field.metadata:
+            field = copy.copy(field)
+            field.metadata = types.MappingProxyType({**field.metadata, "nargs": "?", "const": True})
+        super()._parse_dataclass_field(parser, field)
+
     def error(self, message):
         message = re.sub(r"(--[\w]+)/--[\w-]+", r"\1", message).rstrip(".")  # drop the --dashed-alias
         if message.endswith("expected one argument"):
@@ -88,6 +97,7 @@ class NoLoCoArgumentParser(HfArgumentParser):
             given = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
             if given & set(MODEL_SOURCES):  # a model source on the command line replaces the recipe's
                 recipe = {k: v for k, v in recipe.items() if k not in MODEL_SOURCES}
+            recipe = _without_overridden_names(recipe, given)
             self.set_defaults(
                 **{k: self._default(k, v, recipe_path) for k, v in recipe.items() if v is not None}
             )
@@ -162,6 +172,22 @@ class NoLoCoArgumentParser(HfArgumentParser):
             # YAML 1.1 reads a bare `no` as False: `eval_strategy: no` means the choice "no".
             return "no" if value is False else str(value)
         return str(value)
+
+
+# An option's former names (their dataclass turns each into the new one, refusing the two given together).
+ALIASES = {**FORMER_DATA_NAMES, "gradient_checkpointing": "activation_checkpointing"}
+
+
+def _without_overridden_names(recipe: dict, given: set[str]) -> dict:
+    """The recipe without the options the command line gives under another of their names: the command line
+    wins, whichever name each source uses (both names in one source stay an error of the dataclass)."""
+    overridden = set()
+    for old, new in ALIASES.items():
+        if old in given and new not in given:
+            overridden.add(new)
+        elif new in given and old not in given:
+            overridden.add(old)
+    return {k: v for k, v in recipe.items() if k not in overridden}
 
 
 def _kinds(annotation) -> dict:

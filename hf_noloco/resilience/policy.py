@@ -19,6 +19,8 @@ propagates in both modes.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -105,6 +107,27 @@ class ReplicaLossPolicy:
     def may_tear_down_groups(self) -> bool:
         """Whether the process groups can be destroyed at the end (not once operations were abandoned)."""
         return True
+
+    def last_barrier(self) -> None:
+        """Every live rank meets at the end; a rank lost at the very end leaves nothing to wait for under
+        "continue"."""
+        try:
+            self.barrier()
+        except PeerError:
+            if not self.continues:
+                raise
+
+    def tear_down(self) -> None:
+        """Destroys the process groups at the end; after a replica loss, ends this process with status 0
+        instead. Operations given up after the loss stay posted in gloo, threads waiting on them: destroyed
+        at exit, they abort the process (status 134, a failed job to a scheduler), and all is written."""
+        if not self.may_tear_down_groups():
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def close(self) -> None:
         self.watch.close()

@@ -168,7 +168,7 @@ LIBRARY_INTERNALS = {
     ("engine/mesh.py", "dist.distributed_c10d._world"): "torch's registry of groups (kept after an abort)",
     ("engine/mesh.py", "dist.distributed_c10d._set_pg_timeout"): "a group's timeout, changed once it is made",
     ("engine/split_backward.py", "n._sequence_nr"): "autograd's order of nodes (the weight gradients' order)",
-    ("engine/fidelity.py", "small._attn_implementation"): "the shrunken copy uses the run's attention kernel",
+    ("engine/fidelity.py", "meta.config._attn_implementation"): "the attention kernel transformers picked",
     ("engine/loading.py", "p._is_hf_initialized"): "transformers' flag: loaded, not initialised",
     ("engine/loading.py", "wanted[name]._is_hf_initialized"): "the same flag, on a loaded tensor",
     ("engine/loading.py", "model._init_weights"): "the model's own per-module initialisation",
@@ -176,20 +176,20 @@ LIBRARY_INTERNALS = {
     ("engine/loading.py", "sub._buffers"): "non-persistent buffers, as from_pretrained computes them",
     ("resilience/joining.py", "fake._create_internal"): "torch's stand-in process group has no public maker",
     ("launch/cli.py", "os._exit"): "the standard library's exit without clean-up (public)",
-    ("trainer.py", "os._exit"): "the standard library's exit without clean-up (public)",
+    ("resilience/policy.py", "os._exit"): "the standard library's exit without clean-up (public)",
 }
 
 
 def _own_names(tree) -> set[str]:
-    """Every name a module defines or assigns as an attribute (``self._x = ...``, ``def _x``)."""
+    """Every name a module defines: its functions and classes, and the attributes its methods give ``self``
+    (or ``cls``)."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            names.add(node.attr)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
     return names
