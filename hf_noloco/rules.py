@@ -155,6 +155,19 @@ def check_lora_values(r, alpha, dropout, target_modules) -> None:
         )
 
 
+def check_lora_variant(task_type, modules_to_save) -> None:
+    """PEFT's task type (a causal LM only) and its ``modules_to_save`` (module names)."""
+    if task_type != "CAUSAL_LM":
+        raise ValueError(
+            f"lora_task_type={task_type!r} is not supported: the pipeline trains a causal language model "
+            "(CAUSAL_LM)."
+        )
+    if modules_to_save is not None and (
+        isinstance(modules_to_save, str) or not all(isinstance(m, str) and m for m in modules_to_save)
+    ):
+        raise ValueError(f"lora_modules_to_save must be a list of module names, got {modules_to_save!r}.")
+
+
 def check_model_init_kwargs(kwargs) -> dict:
     """``model_init_kwargs`` as a checked dict (a JSON string is parsed): only :data:`MODEL_INIT_KEYS`, each
     with an allowed value, ``dtype`` without a ``torch.`` prefix."""

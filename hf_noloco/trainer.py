@@ -102,10 +102,10 @@ class NoLoCoTrainer(Trainer):
             train_dataset,
             eval_dataset,
             processing_class,
-            collate,
-            data_args,
-            peft_config,
-            data_collator is not None,
+            collate_fn=collate,
+            data_args=data_args,
+            peft_config=peft_config,
+            user_collator=data_collator is not None,
         )
         # The Trainer's private RNG writer is the only way to write its random states in its own format.
         self.parts: RunParts = build_run_parts(

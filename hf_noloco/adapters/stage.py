@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hf_noloco.adapters.settings import ALL_LINEAR, peft_module
+from hf_noloco.engine.stage import TIED_COPY, TIED_SOURCE, ties_embeddings
 
 ADAPTER_NAME = "default"
 
@@ -52,15 +53,27 @@ def add_adapters(stage: nn.Module, peft_config, seed: int = 0):
             f"lora_target_modules {targets} match no module of pipeline stage {stage.stage_index} (its "
             f"modules include {sorted(present - {''})[:12]}): every stage needs at least one adapter."
         )
-    config = peft.LoraConfig(**{**peft_config.to_dict(), "target_modules": targets})
+    saved = list(peft_config.modules_to_save or [])
+    tied = {name.split(".")[-2] for name in (TIED_SOURCE, TIED_COPY)}  # the tied matrix's two modules
+    if ties_embeddings(stage.config) and any(m.rsplit(".", 1)[-1] in tied for m in saved):
+        raise ValueError(
+            f"lora_modules_to_save {saved} names the tied embedding matrix, which two stages hold as one "
+            "tensor: train it with the whole model (no use_peft) instead."
+        )
+    # Modules to save that this stage does not hold are another stage's.
+    present_modules = {name for name, _ in stage.named_modules()}
+    here = [m for m in saved if any(n == m or n.endswith("." + m) for n in present_modules)]
+    config = peft.LoraConfig(
+        **{**peft_config.to_dict(), "target_modules": targets, "modules_to_save": here or None}
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + stage.stage_index)
         peft.inject_adapter_in_model(config, stage, adapter_name=ADAPTER_NAME)
     for name, param in stage.named_parameters():
-        param.requires_grad_("lora_" in name)
+        param.requires_grad_("lora_" in name or ".modules_to_save." in name)
     if not any(p.requires_grad for p in stage.parameters()):
         raise ValueError(f"No LoRA adapter was added to pipeline stage {stage.stage_index}.")
-    return config
+    return peft.LoraConfig(**{**config.to_dict(), "modules_to_save": saved or None})
 
 
 def trainable_state_dict(stage: nn.Module) -> dict[str, torch.Tensor]:

@@ -96,7 +96,10 @@ class Exporter:
                     if args.merge_adapter:
                         save_merged(output_dir, full, self.peft_config, source.folder)
                     else:
-                        save_adapter(output_dir, full, self.peft_config, source.base_model)
+                        trust = (args.model_init_kwargs or {}).get("trust_remote_code", False)
+                        save_adapter(
+                            output_dir, full, self.peft_config, source.base_model, source.export_config, trust
+                        )
                     if self.tokenizer is not None:
                         self.tokenizer.save_pretrained(output_dir)
                     self.write_model_card(output_dir)

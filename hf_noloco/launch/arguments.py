@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 
 from hf_noloco.docstrings import help_from_docstring
-from hf_noloco.rules import AttnImplementation, WeightDtype, check_lora_values
+from hf_noloco.rules import AttnImplementation, WeightDtype, check_lora_values, check_lora_variant
 
 # model_config sizes that must be positive integers (transformers would fail later, in its own words)
 _MODEL_SIZES = (
@@ -78,6 +78,24 @@ class ModelArguments:
             Names of the modules that get adapters (e.g. `q_proj v_proj`), or `all-linear` (every linear layer
             of the decoder layers). Every pipeline stage must hold at least one. `None`: PEFT's default for
             the architecture (`q_proj` and `v_proj` for Llama-family models).
+        lora_modules_to_save (`list[str]` or `None`, *optional*, defaults to `None`):
+            Modules trained whole beside the adapters (PEFT's `modules_to_save`, e.g. `lm_head`): each stage
+            that holds one trains a copy of it, which the export saves in the adapter. Not a tied embedding
+            matrix (two stages hold it).
+        lora_task_type (`str`, *optional*, defaults to `"CAUSAL_LM"`):
+            PEFT's task type. Only `"CAUSAL_LM"`: the pipeline trains a causal language model.
+        use_rslora (`bool`, *optional*, defaults to `False`):
+            Rank-stabilised LoRA: the adapter's update is scaled by `lora_alpha / sqrt(lora_r)` instead of
+            `lora_alpha / lora_r`.
+        use_dora (`bool`, *optional*, defaults to `False`):
+            DoRA (weight-decomposed LoRA): each adapted weight's update is split into a direction (the LoRA
+            factors) and a trained magnitude per output feature.
+        load_in_4bit (`bool`, *optional*, defaults to `False`):
+            QLoRA's 4-bit base weights: refused. bitsandbytes' quantized layers need a GPU build of it, and
+            their weights cannot be split into stages read tensor by tensor; train LoRA adapters on bf16 base
+            weights instead (`dtype: bfloat16`, half the memory of float32).
+        load_in_8bit (`bool`, *optional*, defaults to `False`):
+            8-bit base weights: refused, as `load_in_4bit`.
     """
 
     model_name_or_path: str | None = None
@@ -94,14 +112,28 @@ class ModelArguments:
     lora_alpha: int = 32
     lora_dropout: float = 0.05
     lora_target_modules: list[str] | None = None
+    lora_modules_to_save: list[str] | None = None
+    lora_task_type: str = "CAUSAL_LM"
+    use_rslora: bool = False
+    use_dora: bool = False
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
 
     def __post_init__(self):
+        for name in ("load_in_4bit", "load_in_8bit"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} (QLoRA) is not supported: bitsandbytes' quantized layers need a GPU build of "
+                    "it and cannot be split into stages tensor by tensor. Train LoRA adapters on bf16 base "
+                    "weights instead (use_peft with dtype: bfloat16)."
+                )
         if (self.model_name_or_path is None) == (self.model_config is None):
             raise ValueError(
                 "Give exactly one of model_name_or_path (fine-tune) or model_config (pretrain from scratch)."
             )
         if self.use_peft:
             check_lora_values(self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_target_modules)
+            check_lora_variant(self.lora_task_type, self.lora_modules_to_save)
             from hf_noloco.adapters.settings import require_peft
 
             require_peft()

@@ -287,3 +287,76 @@ def test_chat_lora_fine_tune_from_the_command_line(tmp_path):
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), out)
     assert AutoTokenizer.from_pretrained(out).chat_template == tokenizer.chat_template
     assert loaded(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, len(tokenizer))
+
+
+VARIANTS = {
+    "dora": dict(use_dora=True),
+    "rslora": dict(use_rslora=True),
+    "modules_to_save": dict(modules_to_save=["lm_head"]),
+}
+
+
+def _variant_runs(folder):
+    from hf_noloco.adapters.settings import lora_config
+    from hf_noloco.trainer import NoLoCoTrainer
+
+    data = rows(32, 3)
+    train = Dataset.from_dict({"input_ids": data, "labels": data})
+    results = {}
+    for name, variant in VARIANTS.items():
+        out = os.path.join(folder, name)
+        args = make_args(out, max_steps=3, eval_strategy="no", outer_optimizer="local", learning_rate=2e-2)
+        peft_config = lora_config(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], **variant)
+        trainer = NoLoCoTrainer(
+            os.path.join(folder, "base"), args, train_dataset=train, peft_config=peft_config
+        )
+        start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.train()
+        trainer.save_model()
+        trainer.args.merge_adapter = True
+        trainer.save_model(os.path.join(folder, f"{name}-merged"))
+        end = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trained = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+        changed = sorted(n for n in trained if not torch.equal(start[n], end[n]))
+        results[name] = {"end": end, "trained": trained, "changed": changed}
+    trainer.end()  # once: it destroys the process group the next trainer would use
+    return results
+
+
+def test_lora_variants_train_and_export_as_peft_saves_them_at_pp2(tmp_path):
+    """DoRA's magnitudes, rsLoRA's scaling and a trained lm_head copy (modules_to_save), at pp 2: each trains,
+    and its export, loaded by PEFT onto the base model, computes what the trained stages compute."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hf_noloco.adapters.settings import lora_config
+    from hf_noloco.adapters.stage import add_adapters
+
+    tiny_model("llama", layers=4, seed=4).save_pretrained(tmp_path / "base")
+    results = run_distributed(_variant_runs, 2, str(tmp_path), timeout_s=240)
+    ids = torch.tensor(rows(2, 8))[:, :20]
+    for name, variant in VARIANTS.items():
+        stages = [results[s][name] for s in range(2)]
+        assert stages[0]["changed"] == stages[0]["trained"] and stages[1]["changed"] == stages[1]["trained"]
+        if name == "dora":
+            assert any("lora_magnitude_vector" in n for n in stages[0]["trained"])
+        if name == "modules_to_save":  # the last stage trains its copy of lm_head; the first has none
+            assert "lm_head.modules_to_save.default.weight" in stages[1]["trained"]
+            assert not any("modules_to_save" in n for n in stages[0]["trained"])
+        # The stages composed by hand, with their trained tensors.
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        hidden = ids
+        for s, stage_result in enumerate(stages):
+            stage = split_model(model, s, 2)
+            add_adapters(stage, lora_config(4, 8, 0.0, ["q_proj", "v_proj"], **variant))
+            stage.load_state_dict(stage_result["end"])
+            with torch.no_grad():
+                hidden = stage(hidden)
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        exported = PeftModel.from_pretrained(base, tmp_path / name)
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-merged")
+        with torch.no_grad():
+            torch.testing.assert_close(exported(ids).logits, hidden, rtol=0, atol=1e-5)
+            torch.testing.assert_close(merged(ids).logits, hidden, rtol=0, atol=1e-5)
+        config = json.loads((tmp_path / name / "adapter_config.json").read_text())
+        assert config["use_dora"] == (name == "dora") and config["use_rslora"] == (name == "rslora")
