@@ -142,6 +142,25 @@ class DataArguments:
             The token that pads rows to `max_length` (never seen by the model: masked out of attention and
             loss). `None`: the tokenizer's own padding token, or its end-of-text token when it has none (the
             exported tokenizer keeps it as its padding token).
+        eos_token (`str` or `None`, *optional*, defaults to `None`):
+            The token that ends a turn or a sequence (TRL's option): it becomes the tokenizer's end-of-text
+            token, which `add_eos` appends and the exported tokenizer keeps. It must be in the tokenizer's
+            vocabulary. `None`: the tokenizer's own.
+        truncation_mode (`str`, *optional*, defaults to `"keep_start"`):
+            Which part of a row longer than `max_length` is kept: `"keep_start"` (the only mode, as in TRL
+            1.x; `"keep_end"`, deprecated there, is refused).
+        pad_to_multiple_of (`int`, `str` or `None`, *optional*, defaults to `None`):
+            Rows with padding (padded rows, best-fit-decreasing bins) are padded past `max_length` to the next
+            multiple of this number (their content still ends at `max_length`); wrapped rows, which have no
+            padding, need a `max_length` that is a multiple of it. `None` or `"auto"` (TRL's default, which
+            pads only on AWS Neuron): rows of exactly `max_length`.
+        eval_packing (`bool` or `None`, *optional*, defaults to `None`):
+            Whether the evaluation rows are packed (as `packing` says for the training rows). `None`: as the
+            training rows.
+        dataset_kwargs (`dict`, `str` or `None`, *optional*, defaults to `None`):
+            TRL's dataset options; the only key is `skip_prepare_dataset`: `true` takes the dataset's rows as
+            they are (an `input_ids` column, and `labels`, `attention_mask`, `position_ids` if it has them;
+            every row of one length), without tokenizing, packing or padding.
 
         > Streams
 
@@ -195,6 +214,11 @@ class DataArguments:
     assistant_only_loss: bool = False
     completion_only_loss: bool | None = None
     pad_token: str | None = None
+    eos_token: str | None = None
+    truncation_mode: str = "keep_start"
+    pad_to_multiple_of: int | str | None = None
+    eval_packing: bool | None = None
+    dataset_kwargs: dict | str | None = None
     dataset_streaming: bool = False
     shuffle_dataset: bool = False
     shuffle_buffer_size: int = 1000
@@ -207,6 +231,7 @@ class DataArguments:
         self._take_former_names()
         if self.max_length < 2:
             raise ValueError(f"max_length must be at least 2, got {self.max_length}.")
+        self._check_sft_options()
         self.data_files = _json_value(self.data_files, "data_files")
         if self.dataset_mixture is not None:
             self.dataset_mixture = mixture_values(self.dataset_mixture)
@@ -268,6 +293,49 @@ class DataArguments:
             and not os.path.exists(os.path.expanduser(name))
         ):
             raise ValueError(f"dataset_name: no such file or folder {name!r}.")
+
+    def _check_sft_options(self) -> None:
+        """TRL's SFTConfig data options, with TRL's meanings (where one cannot apply, a refusal names it)."""
+        if self.truncation_mode != "keep_start":
+            raise ValueError(
+                f"truncation_mode={self.truncation_mode!r} is not supported: only 'keep_start' (TRL 1.x's "
+                "only mode; it deprecated 'keep_end')."
+            )
+        multiple = self.pad_to_multiple_of
+        if multiple == "auto":
+            self.pad_to_multiple_of = multiple = None
+        if isinstance(multiple, str) and multiple.isdigit():
+            self.pad_to_multiple_of = multiple = int(multiple)
+        if multiple is not None and (
+            isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1
+        ):
+            raise ValueError(f"pad_to_multiple_of must be a positive integer or 'auto', got {multiple!r}.")
+        if multiple is not None and self.dataset_streaming and self.max_length % multiple:
+            raise ValueError(
+                f"pad_to_multiple_of={multiple} with dataset_streaming: a stream's rows are max_length "
+                f"tokens, so max_length ({self.max_length}) must be a multiple of it."
+            )
+        if self.eval_packing is not None and self.dataset_streaming and self.eval_packing != self.packing:
+            raise ValueError(
+                "eval_packing with dataset_streaming: a stream's evaluation rows are laid out as its "
+                "training rows (set packing instead)."
+            )
+        self.dataset_kwargs = _json_value(self.dataset_kwargs, "dataset_kwargs")
+        kwargs = self.dataset_kwargs
+        if kwargs is not None:
+            if not isinstance(kwargs, dict) or set(kwargs) - {"skip_prepare_dataset"}:
+                raise ValueError(
+                    "dataset_kwargs takes one key, skip_prepare_dataset (TRL's), got "
+                    f"{sorted(kwargs) if isinstance(kwargs, dict) else kwargs!r}."
+                )
+            if kwargs.get("skip_prepare_dataset") and self.dataset_streaming:
+                raise ValueError(
+                    "dataset_kwargs skip_prepare_dataset is not supported with dataset_streaming."
+                )
+
+    @property
+    def skip_prepare_dataset(self) -> bool:
+        return bool((self.dataset_kwargs or {}).get("skip_prepare_dataset"))
 
     def _take_former_names(self) -> None:
         """The deprecated names set their TRL-named setting (the two agreeing, if both are given)."""

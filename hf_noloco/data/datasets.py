@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import os
 
+import pyarrow.compute as pc
 from datasets import Dataset
 
 from hf_noloco.data.arguments import DataArguments
-from hf_noloco.data.encoding import DocumentEncoder, dataset_format, make_encoder, set_pad_token
+from hf_noloco.data.encoding import (
+    DocumentEncoder,
+    dataset_format,
+    make_encoder,
+    set_eos_token,
+    set_pad_token,
+)
 from hf_noloco.data.packing import encode_dataset, rows_of, truncation_report
 from hf_noloco.data.sources import evaluation_split, load_splits, load_text_dataset
 from hf_noloco.data.streaming import TokenStream
@@ -38,12 +45,12 @@ def _data_arguments(
     return DataArguments(dataset_name=data, **given, **options, **fixed)
 
 
-def _encoder(data: DataArguments, tokenizer, columns):
+def _encoder(data: DataArguments, tokenizer, columns, packing: bool | None = None):
     return make_encoder(
         tokenizer,
         columns,
         data.dataset_text_field,
-        packing=data.packing,
+        packing=data.packing if packing is None else packing,
         add_bos=data.add_bos,
         add_eos=data.add_eos,
         assistant_only_loss=data.assistant_only_loss,
@@ -95,31 +102,61 @@ def prepare_datasets(
     """
     data = _data_arguments(data, max_length, options)
     train_docs, eval_docs = documents(data, seed)
-    encoder, layout = _encoder(data, tokenizer, train_docs.column_names)
-    _check_same_format(eval_docs.column_names, encoder, data.dataset_name)
+    if data.skip_prepare_dataset:
+        train = prepared_rows(train_docs, "training")
+        evaluated = prepared_rows(eval_docs, "evaluation") if evaluation else None
+        return _first(train, data.max_train_samples), _first(evaluated, data.max_eval_samples)
+    set_eos_token(tokenizer, data.eos_token)
     pad_token_id = set_pad_token(tokenizer, data.pad_token)
 
-    def build(docs: Dataset, what: str) -> Dataset:
+    def build(docs: Dataset, what: str, packing: bool | None = None) -> Dataset:
+        encoder, layout = _encoder(data, tokenizer, docs.column_names, packing)
         encoded = encode_dataset(docs, encoder, data.dataset_num_proc)
         if encoder.max_length is not None and _on_rank_zero():
             truncation_report(encoded, data.max_length, what)
-        return rows_of(encoded, layout, data.max_length, pad_token_id, data.dataset_num_proc)
+        multiple = data.pad_to_multiple_of
+        return rows_of(
+            encoded, layout, data.max_length, pad_token_id, data.dataset_num_proc, pad_to_multiple_of=multiple
+        )
 
-    train = build(train_docs, "Training rows")
-    if data.max_train_samples is not None:
-        train = train.select(range(min(data.max_train_samples, train.num_rows)))
+    train_encoder, _ = _encoder(data, tokenizer, train_docs.column_names)
+    _check_same_format(eval_docs.column_names, train_encoder, data.dataset_name)
+    train = _first(build(train_docs, "Training rows"), data.max_train_samples)
     if not evaluation:
         return train, None
     try:
-        eval_ = build(eval_docs, "Evaluation rows")
+        eval_ = build(eval_docs, "Evaluation rows", data.eval_packing)
     except ValueError as e:
         raise ValueError(
             f"The evaluation documents are too few for one row ({e}) Raise validation_split_percentage or "
             "lower max_length."
         ) from e
-    if data.max_eval_samples is not None:
-        eval_ = eval_.select(range(min(data.max_eval_samples, eval_.num_rows)))
-    return train, eval_
+    return train, _first(eval_, data.max_eval_samples)
+
+
+def _first(rows: Dataset | None, n: int | None) -> Dataset | None:
+    return rows.select(range(min(n, rows.num_rows))) if rows is not None and n is not None else rows
+
+
+PREPARED_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+def prepared_rows(rows: Dataset, what: str) -> Dataset:
+    """Rows the pipeline takes as they are (``dataset_kwargs: {skip_prepare_dataset: true}``): their
+    ``input_ids`` (and ``labels``, ``attention_mask``, ``position_ids`` if present), all of one length."""
+    if "input_ids" not in rows.column_names:
+        raise ValueError(
+            f"skip_prepare_dataset: the {what} rows have no input_ids column (their columns are "
+            f"{rows.column_names}); prepared rows are token ids."
+        )
+    rows = rows.select_columns([c for c in PREPARED_COLUMNS if c in rows.column_names])
+    lengths = set(pc.list_value_length(rows.data.column("input_ids")).to_numpy(zero_copy_only=False).tolist())
+    if len(lengths) > 1:
+        raise ValueError(
+            f"skip_prepare_dataset: the {what} rows have {len(lengths)} lengths ({sorted(lengths)[:5]}...); "
+            "every batch of a pipeline has one shape, so prepared rows must all have one length."
+        )
+    return rows
 
 
 def _check_same_format(columns, encoder: DocumentEncoder, dataset_name: str) -> None:
@@ -170,6 +207,7 @@ def prepare_streams(
     columns = train_source.column_names
     if columns is None:  # some streamed datasets learn their columns from the first row
         columns = list(next(iter(train_source)).keys())
+    set_eos_token(tokenizer, data.eos_token)
     encoder, layout = _encoder(data, tokenizer, columns)
     if layout not in ("wrapped", "padded"):
         raise ValueError(

@@ -86,6 +86,15 @@ def set_pad_token(tokenizer, pad_token: str | None = None) -> int:
     return tokenizer.pad_token_id
 
 
+def set_eos_token(tokenizer, eos_token: str | None) -> None:
+    """Makes ``eos_token`` the tokenizer's end-of-text token (TRL's ``eos_token``); ``None`` keeps its own."""
+    if eos_token is None or eos_token == tokenizer.eos_token:
+        return
+    if eos_token not in tokenizer.get_vocab():
+        raise ValueError(f"eos_token {eos_token!r} is not in the tokenizer's vocabulary.")
+    tokenizer.eos_token = eos_token
+
+
 @dataclass
 class DocumentEncoder:
     """Encodes one row of a dataset of format ``fmt`` (see :func:`dataset_format`); picklable, so

@@ -148,12 +148,14 @@ def pack_bins(
     split: bool = False,
     num_proc: int | None = None,
     batch_size: int = 1000,
+    row_length: int | None = None,
 ) -> Dataset:
     """Best-fit-decreasing bins of whole documents (TRL's ``pack_dataset``, per map batch of
     ``batch_size`` documents), each bin a row of ``max_length`` tokens (:func:`~hf_noloco.data.encoding
     .packed_row`: position ids restart at each document, padding after the last). ``split``: a document
     longer than ``max_length`` is cut into pieces packed like documents (``bfd_split``), instead of having
-    been cut at ``max_length`` when it was encoded (``bfd``)."""
+    been cut at ``max_length`` when it was encoded (``bfd``). ``row_length``: pad each row to this many tokens
+    (at least ``max_length``; default ``max_length``)."""
     from trl import pack_dataset  # TRL's BFD: the same bins as SFTTrainer's packing
 
     encoded = encoded.remove_columns([c for c in encoded.column_names if c not in ("input_ids", "labels")])
@@ -169,8 +171,8 @@ def pack_bins(
         batch_size=batch_size,
         num_proc=num_proc,
         remove_columns=bins.column_names,
-        fn_kwargs={"max_length": max_length, "pad_token_id": pad_token_id},
-        desc=f"Padding bins to {max_length} tokens",
+        fn_kwargs={"max_length": row_length or max_length, "pad_token_id": pad_token_id},
+        desc=f"Padding bins to {row_length or max_length} tokens",
     )
 
 
@@ -201,6 +203,20 @@ def pad_dataset(
     )
 
 
+def row_length(max_length: int, layout: str, pad_to_multiple_of: int | None) -> int:
+    """The tokens per row: ``max_length``, or, with ``pad_to_multiple_of``, the next multiple of it for the
+    layouts that pad (wrapped rows, which have no padding, need a ``max_length`` that is a multiple)."""
+    if not pad_to_multiple_of or max_length % pad_to_multiple_of == 0:
+        return max_length
+    if layout == "wrapped":
+        raise ValueError(
+            f"pad_to_multiple_of={pad_to_multiple_of}: wrapped rows have no padding, so max_length "
+            f"({max_length}) must be a multiple of it (e.g. "
+            f"{-(-max_length // pad_to_multiple_of) * pad_to_multiple_of})."
+        )
+    return -(-max_length // pad_to_multiple_of) * pad_to_multiple_of
+
+
 def rows_of(
     encoded: Dataset,
     layout: str,
@@ -208,8 +224,11 @@ def rows_of(
     pad_token_id: int,
     num_proc: int | None = None,
     batch_size: int = 1000,
+    pad_to_multiple_of: int | None = None,
 ) -> Dataset:
-    """The rows of ``layout`` (see :func:`~hf_noloco.data.encoding.row_layout`) from encoded documents."""
+    """The rows of ``layout`` (see :func:`~hf_noloco.data.encoding.row_layout`) from encoded documents, each
+    :func:`row_length` tokens long."""
+    length = row_length(max_length, layout, pad_to_multiple_of)
     if encoded.num_rows == 0:
         raise ValueError(
             f"None of the dataset's rows has a token to train on within max_length={max_length}."
@@ -217,8 +236,9 @@ def rows_of(
     if layout == "wrapped":
         return pack_wrapped(encoded, max_length, num_proc, batch_size)
     if layout in ("bfd", "bfd_split"):
-        return pack_bins(encoded, max_length, pad_token_id, layout == "bfd_split", num_proc, batch_size)
-    return pad_dataset(encoded, max_length, pad_token_id, num_proc, batch_size)
+        split = layout == "bfd_split"
+        return pack_bins(encoded, max_length, pad_token_id, split, num_proc, batch_size, row_length=length)
+    return pad_dataset(encoded, length, pad_token_id, num_proc, batch_size)
 
 
 def trained_tokens(rows: Dataset) -> int:
