@@ -22,14 +22,12 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, default_data_collator
 
-from hf_noloco.components.inputs import check_trainer_inputs
+from hf_noloco.components.inputs import check_trainer_inputs, pipeline_datasets
 from hf_noloco.components.loaders import one_step
 from hf_noloco.components.run_parts import RunInputs, RunParts, build_run_parts
-from hf_noloco.components.run_record import finish_wandb
 from hf_noloco.config import NoLoCoConfig
 from hf_noloco.data.arguments import DataArguments
 from hf_noloco.data.streaming import TokenStream
-from hf_noloco.engine.comm import is_lost_peer
 from hf_noloco.io.checkpoint_files import PREFIX_CHECKPOINT_DIR
 from hf_noloco.resilience.membership import ReplicaDropped
 
@@ -62,18 +60,18 @@ class NoLoCoTrainer(Trainer):
         model: a Hub id or local folder (fine-tuning: only this process's stage is read from the safetensors
             files), a ``PretrainedConfig`` (pretraining from scratch) or a model instance (split in memory).
         args: a :class:`~hf_noloco.NoLoCoConfig`.
-        data_args: the data's :class:`~hf_noloco.DataArguments`, shown in the model card and the wandb run's
-            config.
+        train_dataset, eval_dataset: rows of token ids of one length (``prepare_datasets``' rows), streams,
+            or raw rows that the trainer prepares itself as ``SFTTrainer`` does, by ``data_args``' options:
+            text, conversations (``messages``), prompt/completion pairs, token ids of any length.
+        data_args: the data's :class:`~hf_noloco.DataArguments`: how raw rows are prepared, and what the model
+            card and the wandb run's config show.
         peft_config: a ``peft.LoraConfig`` (as TRL's ``SFTTrainer`` takes it): each stage gets LoRA adapters,
             only they train and cross the network, and the export is a PEFT adapter (or the merged model with
             ``merge_adapter``). ``model`` must then be a Hub id or folder. :func:`hf_noloco.lora_config`
             builds one from TRL's option names.
-        Other arguments are the Trainer's. ``data_collator`` defaults to ``default_data_collator`` (packed
-            blocks, padded rows). ``train_dataset`` / ``eval_dataset`` may be
-            :class:`~hf_noloco.data.streaming.TokenStream` s (``max_steps`` needed): each replica then reads
-            its own shard, and a checkpoint records its position. ``compute_metrics`` and
-            ``preprocess_logits_for_metrics`` are refused: evaluation computes the loss and perplexity inside
-            the pipeline, and no rank ever holds a batch's logits whole.
+        Other arguments are the Trainer's. ``data_collator`` defaults to ``default_data_collator``. Streams
+            (:class:`~hf_noloco.data.streaming.TokenStream`, ``max_steps`` needed) are read by each replica
+            from its own shard, and a checkpoint records their position.
     """
 
     state = _run_attribute("trainer_state", "The Trainer's ``TrainerState``.")
@@ -97,6 +95,9 @@ class NoLoCoTrainer(Trainer):
         if not isinstance(args, NoLoCoConfig):
             raise TypeError(f"NoLoCoTrainer needs a NoLoCoConfig, got {type(args).__name__}.")
         check_trainer_inputs(model, args, train_dataset, peft_config, kwargs)
+        train_dataset, eval_dataset = pipeline_datasets(
+            train_dataset, eval_dataset, processing_class, data_args
+        )
         collate = data_collator or default_data_collator
         inputs = RunInputs(
             train_dataset,
@@ -209,11 +210,7 @@ class NoLoCoTrainer(Trainer):
             self.close_watchers()
             raise
         except Exception as exc:  # re-raised, with the job's first failure added
-            watch = parts.replica_loss.watch
-            error = watch.with_root_cause(exc, self.mesh, min(self.args.p2p_timeout, 5.0))
-            watch.close()  # the diagnosis is done: no more heartbeats, and a clean exit
-            if is_lost_peer(exc):
-                watch.hold_store_at_exit()
+            error = parts.replica_loss.diagnosis(exc)
             if error is exc:
                 raise
             raise error from exc
@@ -317,15 +314,11 @@ class NoLoCoTrainer(Trainer):
         :mod:`hf_noloco.io.checkpoint_files`)."""
         self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
-        state, step = self.state, self.state.global_step
-        best = state.best_global_step  # set by the Trainer when metric_for_best_model improves
-        if best and self.args.save_strategy in ("steps", "epoch", "best"):
-            folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
-            if best == step or os.path.isdir(folder):
-                state.best_model_checkpoint = folder  # recorded, and kept by save_total_limit
+        step = self.state.global_step
+        self.parts.checkpointer.record_best(run_dir)
         for callback in self.callback_handler.callbacks + [self.control]:  # the Trainer's stateful callbacks
             if hasattr(callback, "state") and callable(callback.state):
-                state.stateful_callbacks[type(callback).__name__] = callback.state()
+                self.state.stateful_callbacks[type(callback).__name__] = callback.state()
         policy = self.parts.replica_loss
         save = lambda: self.parts.checkpointer.save(run_dir, policy.checkpoint_barrier)
         policy.tolerate(f"checkpoint-{step}", save, lambda: None, step)
@@ -389,13 +382,12 @@ class NoLoCoTrainer(Trainer):
         self.parts.replica_loss.close()
 
     def end(self):
-        """Finishes the wandb run (the Trainer never does) and destroys the process group. After a replica
-        loss (``on_replica_loss="continue"``) this process ends here, with status 0
-        (:meth:`~hf_noloco.resilience.policy.ReplicaLossPolicy.tear_down` says why)."""
-        policy = self.parts.replica_loss
-        if self.is_world_process_zero():
-            finish_wandb()
-        policy.last_barrier()
-        self.close_watchers()
+        """The Trainer's own ``end()`` (finish the trackers, destroy the process group) once every live rank
+        is done, and the wandb run finished (the Trainer never does). Optional: at exit a process does it by
+        itself, without waiting for the others. After a replica loss (``on_replica_loss="continue"``) this
+        process ends here, with status 0 (``ReplicaLossPolicy.tear_down`` says why)."""
+        if self.parts.ended:
+            return
+        self.parts.replica_loss.last_barrier()
         super().end()
-        policy.tear_down()
+        self.parts.end_at_exit()

@@ -103,6 +103,16 @@ class RunCheckpointer:
         with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             checkpoint.check_mesh_record(folder, self.mesh_record())
 
+    def record_best(self, run_dir: str) -> None:
+        """The checkpoint of the best ``metric_for_best_model`` so far, recorded in the Trainer's state (which
+        ``save_total_limit`` then keeps)."""
+        state = self.run.trainer_state
+        best = state.best_global_step  # set by the Trainer when metric_for_best_model improves
+        if best and self.args.save_strategy in ("steps", "epoch", "best"):
+            folder = os.path.join(run_dir, f"{checkpoint.PREFIX_CHECKPOINT_DIR}-{best}")
+            if best == state.global_step or os.path.isdir(folder):
+                state.best_model_checkpoint = folder
+
     def save(self, run_dir: str, barrier: Callable[[], None] | None = None) -> None:
         """Writes ``run_dir/checkpoint-<global step>`` (collective; ``barrier``: how the ranks meet, see
         :func:`~hf_noloco.io.checkpoint_files.write_checkpoint`)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hf_noloco.data.arguments import DataArguments
+from hf_noloco.data.datasets import is_pipeline_rows, rows_from_documents
 from hf_noloco.data.streaming import TokenStream
 from hf_noloco.engine.fidelity import forms_of_rows
 from hf_noloco.rules import check_merge_adapter, check_streamed_training
@@ -65,3 +67,28 @@ def proof_forms(train_dataset, eval_dataset, custom_collator: bool) -> set[str] 
     if evals:
         forms.add("evaluation")
     return forms or None
+
+
+def pipeline_datasets(train_dataset, eval_dataset, tokenizer, data_args: DataArguments | None):
+    """``(train, eval)`` as the pipeline takes them, prepared as TRL's ``SFTTrainer`` prepares what it is
+    given: rows of token ids of one length and streams as they are; raw rows (text, conversations,
+    prompt/completion pairs, token ids of any length) tokenized and laid into rows as ``hf-noloco-train``
+    lays them, by ``data_args``' options (``DataArguments()``'s when none). ``eval`` may be a dict of
+    datasets, as the Trainer takes it."""
+    data = data_args or DataArguments()
+
+    def prepared(dataset, what: str, evaluation: bool):
+        if dataset is None or isinstance(dataset, TokenStream) or is_pipeline_rows(dataset):
+            return dataset
+        if tokenizer is None:
+            raise ValueError(
+                f"The {what} set has columns {getattr(dataset, 'column_names', None)}, not rows of token ids "
+                "of one length: give processing_class (the tokenizer) to tokenize it."
+            )
+        return rows_from_documents(dataset, tokenizer, data, f"{what.capitalize()} rows", evaluation)
+
+    if isinstance(eval_dataset, dict):
+        evaluated = {name: prepared(d, f"evaluation ({name})", True) for name, d in eval_dataset.items()}
+    else:
+        evaluated = prepared(eval_dataset, "evaluation", True)
+    return prepared(train_dataset, "training", False), evaluated

@@ -9,6 +9,7 @@ state), are in :class:`~hf_noloco.components.run_state.RunState`, which every pa
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -27,7 +28,7 @@ from hf_noloco.components.exporter import Exporter
 from hf_noloco.components.inputs import check_dataset_size, proof_forms
 from hf_noloco.components.loaders import ReplicaLoaders
 from hf_noloco.components.metrics import Throughput
-from hf_noloco.components.run_record import RunRecord
+from hf_noloco.components.run_record import RunRecord, finish_wandb
 from hf_noloco.components.run_state import RunState
 from hf_noloco.components.training_logs import TrainingLogs
 from hf_noloco.components.training_step import TrainingStep
@@ -85,9 +86,23 @@ class RunParts:
     logs: TrainingLogs
     evaluation: Evaluation
 
+    ended: bool = False  # NoLoCoTrainer.end() ran
+
     @property
     def stage(self) -> PipelineStage:
         return self.source.stage
+
+    def end_at_exit(self) -> None:
+        """What ``NoLoCoTrainer.end()`` does, at the process's exit when nobody called it (without its
+        barrier): the wandb run finished (an offline run writes its records only then), the watchers stopped,
+        the process groups torn down."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.args.process_index == 0:
+            finish_wandb()
+        self.replica_loss.close()
+        self.replica_loss.tear_down()
 
     def wrap_optimizer(self, inner: torch.optim.Optimizer) -> OuterOptimizer:
         """The Trainer's optimizer wrapped in the outer optimizer of ``outer_optimizer``."""
@@ -251,7 +266,7 @@ def build_run_parts(
         inputs.data_args,
         inputs.eval_dataset,
     )
-    return RunParts(
+    parts = RunParts(
         args,
         mesh,
         source,
@@ -271,3 +286,5 @@ def build_run_parts(
         logs,
         Evaluation(args, mesh, stage, engine, logs, policy),
     )
+    atexit.register(parts.end_at_exit)
+    return parts

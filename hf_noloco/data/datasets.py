@@ -106,32 +106,47 @@ def prepare_datasets(
         train = prepared_rows(train_docs, "training")
         evaluated = prepared_rows(eval_docs, "evaluation") if evaluation else None
         return _first(train, data.max_train_samples), _first(evaluated, data.max_eval_samples)
-    set_eos_token(tokenizer, data.eos_token)
-    pad_token_id = set_pad_token(tokenizer, data.pad_token)
-
-    def build(docs: Dataset, what: str, packing: bool | None = None) -> Dataset:
-        encoder, layout = _encoder(data, tokenizer, docs.column_names, packing)
-        encoded = encode_dataset(docs, encoder, data.dataset_num_proc)
-        if encoder.max_length is not None and _on_rank_zero():
-            truncation_report(encoded, data.max_length, what)
-        multiple = data.pad_to_multiple_of
-        return rows_of(
-            encoded, layout, data.max_length, pad_token_id, data.dataset_num_proc, pad_to_multiple_of=multiple
-        )
-
     train_encoder, _ = _encoder(data, tokenizer, train_docs.column_names)
     _check_same_format(eval_docs.column_names, train_encoder, data.dataset_name)
-    train = _first(build(train_docs, "Training rows"), data.max_train_samples)
+    train = _first(rows_from_documents(train_docs, tokenizer, data, "Training rows"), data.max_train_samples)
     if not evaluation:
         return train, None
     try:
-        eval_ = build(eval_docs, "Evaluation rows", data.eval_packing)
+        eval_ = rows_from_documents(eval_docs, tokenizer, data, "Evaluation rows", evaluation=True)
     except ValueError as e:
         raise ValueError(
             f"The evaluation documents are too few for one row ({e}) Raise validation_split_percentage or "
             "lower max_length."
         ) from e
     return train, _first(eval_, data.max_eval_samples)
+
+
+def rows_from_documents(
+    docs: Dataset, tokenizer, data: DataArguments, what: str = "Training rows", evaluation: bool = False
+) -> Dataset:
+    """Documents (text, conversations, prompt/completion pairs or token ids, as their columns say) laid into
+    the pipeline's rows as ``data`` says (the evaluation rows as ``eval_packing`` says). The tokenizer gets
+    ``eos_token`` and a padding token (:func:`~hf_noloco.data.encoding.set_pad_token`)."""
+    set_eos_token(tokenizer, data.eos_token)
+    pad_token_id = set_pad_token(tokenizer, data.pad_token)
+    packing = data.eval_packing if evaluation else None
+    encoder, layout = _encoder(data, tokenizer, docs.column_names, packing)
+    encoded = encode_dataset(docs, encoder, data.dataset_num_proc)
+    if encoder.max_length is not None and _on_rank_zero():
+        truncation_report(encoded, data.max_length, what)
+    multiple = data.pad_to_multiple_of
+    return rows_of(
+        encoded, layout, data.max_length, pad_token_id, data.dataset_num_proc, pad_to_multiple_of=multiple
+    )
+
+
+def is_pipeline_rows(dataset) -> bool:
+    """Whether ``dataset`` holds rows the pipeline takes as they are: ``input_ids`` all of one length."""
+    columns = getattr(dataset, "column_names", None) or []
+    if not isinstance(dataset, Dataset) or "input_ids" not in columns or len(dataset) == 0:
+        return False
+    lengths = pc.list_value_length(dataset.data.column("input_ids")).to_numpy(zero_copy_only=False)
+    return bool((lengths == lengths[0]).all())
 
 
 def _first(rows: Dataset | None, n: int | None) -> Dataset | None:

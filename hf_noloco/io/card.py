@@ -119,6 +119,7 @@ SETTING_LABELS = {
     "pipeline_schedule": "Pipeline schedule",
     "microbatch_size": "Microbatch size (sequences)",
     "global_batch_size": "Global batch (sequences per step)",
+    "gradient_accumulation_steps": "Gradient accumulation (batches per step)",
     "max_length": "Sequence length (tokens)",
     "packing": "Rows (wrapped, bfd-packed or padded)",
     "max_steps": "Training steps",

@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from hf_noloco.engine.comm import LOST_PEER_ERRORS, PeerError, collective
+from hf_noloco.engine.comm import LOST_PEER_ERRORS, PeerError, collective, is_lost_peer
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.resilience.membership import Membership, silence_limit
 from hf_noloco.resilience.watch import PeerWatch
@@ -107,6 +107,16 @@ class ReplicaLossPolicy:
     def may_tear_down_groups(self) -> bool:
         """Whether the process groups can be destroyed at the end (not once operations were abandoned)."""
         return True
+
+    def diagnosis(self, exc: Exception) -> Exception:
+        """The error training ends with: ``exc``, or, when it is a lost peer's, one that names the peers that
+        stopped or the job's first failure (:meth:`~hf_noloco.resilience.watch.PeerWatch.with_root_cause`).
+        The heartbeat stops here: the diagnosis is done, and the process exits cleanly."""
+        error = self.watch.with_root_cause(exc, self.mesh, min(self.p2p_timeout, 5.0))
+        self.watch.close()
+        if is_lost_peer(exc):
+            self.watch.hold_store_at_exit()
+        return error
 
     def last_barrier(self) -> None:
         """Every live rank meets at the end; a rank lost at the very end leaves nothing to wait for under
