@@ -214,6 +214,12 @@ def build_run_parts(
     check_dataset_size(inputs.train_dataset, mesh.num_replicas * args.per_device_train_batch_size)
     # 3. The engine and what feeds it.
     router = Router(mesh.num_replicas, args.routing, args.routing_seed, group_size=args.routing_group_size)
+    if router.group_size == 1 and mesh.num_replicas > 1 and args.routing != "fixed" and mesh.rank == 0:
+        logger.warning(
+            "routing_domain='node' with one replica column per node: no sample is routed at random (each "
+            "stays in its column, as routing='fixed'). Put several columns on each node, or use "
+            "routing_domain='global' for random routing across nodes."
+        )
     engine = PipelineEngine(
         stage,
         mesh,

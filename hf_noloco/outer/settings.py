@@ -143,8 +143,8 @@ class OuterSettings:
         if num_replicas < 2:
             raise ValueError(
                 "outer method 'noloco' needs at least 2 replicas per stage: with a single replica there is "
-                "no partner to average with. Use outer_optimizer='local' (no sync) instead, or launch more "
-                "processes."
+                "no partner to average with. For a one-replica run (a debug run on one process, say) add "
+                "--outer_optimizer local (no sync), or launch more processes."
             )
         if self.gossip_group_size > num_replicas:
             raise ValueError(

@@ -61,7 +61,7 @@ def test_paper_defaults():
             {"outer_dtype": "fp16"},
             "outer_dtype must be one of float32, bfloat16, int8, float8_e4m3, int4, got 'fp16'",
         ),
-        ({"num_replicas": 1}, "no partner.*'local'"),
+        ({"num_replicas": 1}, "no partner.*--outer_optimizer local"),
         ({"gossip_group_size": 1}, "gossip_group_size must be an integer >= 2"),
         ({"gossip_group_size": 5}, "gossip_group_size=5 is larger than the 4 replicas"),
         ({"inner_steps": 0}, "inner_steps .* positive integer"),
