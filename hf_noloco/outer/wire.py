@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_noloco.engine.buffers import consecutive_buckets
+from hf_noloco.engine.buffers import consecutive_buckets, state_zeros
 from hf_noloco.outer.compression import (
     dequantize,
     encode_with_feedback_,
@@ -36,7 +36,8 @@ class Wire:
         method: ``"noloco"`` or ``"diloco"``.
         sends_slow_weights: noloco with gamma != beta.
         numels: the values of each bucket.
-        device: where the error-feedback buffers live (the outer state's device).
+        device: where the error-feedback buffers live (the outer state's device; pinned when that is the host
+            of a GPU machine: :func:`~hf_noloco.engine.buffers.state_zeros`).
     """
 
     def __init__(
@@ -52,16 +53,19 @@ class Wire:
         else:
             self.streams = ("theta",)
         self.numels = list(numels)
-        # One row per quantity sent: each has its own rounding history.
+        # One row per quantity sent: each has its own rounding history. Pinned when offloaded (host memory of
+        # a GPU machine), like the slow weights beside them.
         self.error: list[torch.Tensor] = (
-            [torch.zeros(len(self.streams), n, device=device) for n in self.numels] if self.compressed else []
+            [state_zeros((len(self.streams), n), device) for n in self.numels] if self.compressed else []
         )
 
     def noloco_outgoing(self, b: int, theta: torch.Tensor, phi: torch.Tensor) -> list[torch.Tensor]:
         """Bucket ``b``'s messages to each partner, from our float32 fast and slow weights (on the device of
         ``theta``: quantization runs there). Our own ``theta`` stays exact; only the wire copies are rounded.
         """
-        phi = phi.to(theta.device)
+        # From pinned (offloaded) slow weights the copy is asynchronous; the host writes phi only after
+        # reading this outer step's results from the device, which waits for the copy (same stream).
+        phi = phi.to(theta.device, non_blocking=True)
         if not self.compressed:
             return [theta.to(self.cast) if s == "theta" else phi.to(self.cast) for s in self.streams]
         values = {"theta": lambda: theta, "delta": lambda: theta - phi, "phi": lambda: phi}
