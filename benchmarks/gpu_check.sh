@@ -5,6 +5,8 @@
 # stage's peak memory and tokens/s against the memory model's prediction). Exits non-zero if a check failed.
 set -u
 cd "$(dirname "$0")/.."
+# The package from this copy of the tree, installed or not (a bare copy on a device machine).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 echo "gpu_check: ${gpus} GPU(s). Needs 1 GPU for the pp=1 checks (about 1 minute), 2 for pp=2 and a killed"
