@@ -206,11 +206,9 @@ class PipelineStage(nn.Module):
             raise ValueError(f"every_n_layers must be a positive integer, got {every_n_layers!r}.")
         fn = functools.partial(torch_checkpoint, use_reentrant=False, **kwargs)
         if offload:
-            device_type = next(self.parameters()).device.type
-            pin = device_type != "cpu"
 
             def fn(function, *args, _inner=fn, **kw):
-                with torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=device_type):
+                with offload_saved_tensors():
                     return _inner(function, *args, **kw)
 
         self._checkpoint_fn, self._checkpoint_every = fn, every_n_layers
@@ -313,6 +311,31 @@ class PipelineStage(nn.Module):
             shared = rotary(hidden, position_ids=position_ids)
             return dict.fromkeys(self._layer_types, shared)
         return {t: rotary(hidden, position_ids, t) for t in dict.fromkeys(self._layer_types)}
+
+
+def offload_saved_tensors():
+    """Tensors saved for the backward pass go to host memory and come back for it, as
+    ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` does, without blocking the host: the device-to-host
+    copy is ``non_blocking`` into pinned memory (``save_on_cpu`` copies synchronously, a host sync per saved
+    tensor), on the current stream, so the saved tensor's later writes and reuse come after it, and the copy
+    back is the same stream's too. On the CPU the tensor is copied, as ``save_on_cpu`` copies it."""
+
+    def pack(tensor: torch.Tensor):
+        on_device = tensor.device.type != "cpu"
+        packed = torch.empty(
+            tensor.size(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            pin_memory=on_device and not tensor.is_sparse,
+        )
+        packed.copy_(tensor, non_blocking=on_device)
+        return tensor.device, packed
+
+    def unpack(saved) -> torch.Tensor:
+        device, packed = saved
+        return packed.to(device, non_blocking=packed.is_pinned())
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def packed_sequence_lengths(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
