@@ -88,12 +88,15 @@ class Wire:
         """Per quantity sent, the mean over the group's decoded values, ``members`` in replica order."""
         return [group_sum_mean([m[k] for m in members]) for k in range(len(self.streams))]
 
-    def combine(self, b: int, members: list, own, check) -> tuple[list[torch.Tensor], list[float]]:
+    def combine(
+        self, b: int, members: list, own, check, lazy: bool = False
+    ) -> tuple[list[torch.Tensor], list[float] | list[torch.Tensor]]:
         """Decodes one bucket's messages of a whole gossip group, ``members`` = ``[(key, packets)]`` in
         replica order (``own`` the key of this replica's): the means over the group of each quantity sent
         (this replica entering with its own decoded values, like every other member), and the squared
         distances of the others' decoded fast weights to ours. ``check(key, values)`` sees every member's
-        decoded values first (the finite check)."""
+        decoded values first (the finite check). ``lazy``: the distances stay 0-d tensors on the device (no
+        host sync; :class:`~hf_noloco.outer.checks.DeviceChecks` reads them once per outer step)."""
         decoded = {}
         for key, packets in members:
             decoded[key] = self.decode(b, packets)
@@ -104,7 +107,8 @@ class Wire:
         for key, _ in members:
             if key != own:
                 diff = self.fast_weights(decoded[key]) - mine
-                sq_dists.append(torch.dot(diff, diff).item())
+                sq_dist = torch.dot(diff, diff)
+                sq_dists.append(sq_dist if lazy else sq_dist.item())
         return means, sq_dists
 
     def diloco_outgoing(self, b: int, pseudo: torch.Tensor) -> torch.Tensor:

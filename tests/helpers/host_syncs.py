@@ -21,7 +21,9 @@ given to :meth:`HostSyncs.on_host` (a loader's batch), those made inside it by a
 (``torch.tensor(rows)``, ``torch.arange(n)``) and everything computed from them are host tensors, until a
 ``to(device)`` moves them; every other tensor (weights, buffers, what a factory made with a device, what
 arrived in a message) is a device tensor. Reading a host tensor costs nothing, moving one to the device
-without ``non_blocking`` is a sync, reading a device tensor is one.
+without ``non_blocking`` is a sync, reading a device tensor is one. Not seen: a copy from the device to the
+host by ``to(cpu)``, which on CPU reads as a move to the device (the offloaded outer state's copies): the GPU
+probe (``benchmarks/gpu_probe.sh``) counts those with ``torch.cuda.set_sync_debug_mode``.
 """
 
 from __future__ import annotations
