@@ -19,7 +19,9 @@ A node that computes its input and weight gradients in one call (a custom ``auto
 loss, a ``torch.compile``'d layer's ``CompiledFunctionBackward``) would run in full twice, once in B and once
 in W. The parameters whose branches meet the input path at such a node take their gradients in B instead, from
 that one call (the same kernel on the same numbers as one ``backward``, accumulated into ``.grad`` in B's
-order, which is the microbatches' order): W then skips them.
+order, which is the microbatches' order): W then skips them. A compiled region's backward cannot even run
+with ``retain_graph`` (it donates its saved buffers), so a stage with compiled layers takes every gradient in
+B: its W is empty, as under activation checkpointing.
 
 Not for activation checkpointing: a checkpointed region is recomputed once per ``autograd.grad`` call that
 unpacks it, so W (one call per group of parameters sharing joints) would recompute each layer many times, and
@@ -137,9 +139,12 @@ def backward_input(
 
         return hook
 
-    # Groups meeting the input path at a node that computes every gradient in one call are done in B.
-    now = [(js, ps) for js, ps in groups if ps and any(_single_call(j) for j in js)]
-    later = [(js, ps) for js, ps in groups if ps and not any(_single_call(j) for j in js)]
+    # Groups meeting the input path at a node that computes every gradient in one call are done in B; all of
+    # them when the graph holds a node that cannot run twice (a compiled region's backward donates its
+    # buffers: it refuses retain_graph), so that B frees the graph.
+    once = any(_runs_once(node) for node in parents)
+    now = [(js, ps) for js, ps in groups if ps and (once or any(_single_call(j) for j in js))]
+    later = [(js, ps) for js, ps in groups if ps and not (once or any(_single_call(j) for j in js))]
     in_b = [p for _, ps in now for p in ps]
     joints = {j for group, _ in later for j in group}
     handles = [joint.register_prehook(keep(joint)) for joint in joints]
@@ -153,6 +158,12 @@ def backward_input(
     _accumulate(in_b, grads)
     ordered = [(sorted(js, key=lambda n: -n._sequence_nr()), ps) for js, ps in later]
     return grad_input, WeightGradient(ordered, captured)
+
+
+def _runs_once(node: Node) -> bool:
+    """Whether ``node``'s backward cannot be run with ``retain_graph`` (``torch.compile``'s compiled regions,
+    whose backward reuses (donates) its saved buffers)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
 
 
 def _single_call(node: Node) -> bool:

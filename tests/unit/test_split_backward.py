@@ -95,3 +95,33 @@ def test_the_chunked_loss_runs_its_backward_once_under_the_split(monkeypatch):
         results.append((hidden_grad, head.weight.grad.clone()))
     assert calls == [(True, True), (True, True)]  # B computed both gradients; W had nothing left to run
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_a_stage_with_compiled_layers_splits_without_retaining_a_compiled_backward():
+    """A compiled region's backward donates its buffers and refuses ``retain_graph``: B takes every gradient
+    (W is empty), the gradients are one backward's, bit for bit. (aot_eager: AOTAutograd's compiled
+    function, without code generation.)"""
+    torch.manual_seed(0)
+    first, second, norm = (
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)),
+        nn.Linear(8, 8),
+        nn.LayerNorm(8),
+    )
+    compiled = torch.compile(first, backend="aot_eager")  # saves an intermediate: a donated buffer
+    params = [*first.parameters(), *second.parameters(), *norm.parameters()]
+    results = []
+    for split in (False, True):
+        for p in params:
+            p.grad = None
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        y = norm(second(torch.tanh(compiled(x)))).sum()
+        if split:
+            x_grad, w = backward_input(y, None, x, params)
+            left_for_w = bool(w._groups)
+            w()
+            assert not left_for_w  # B took every gradient
+        else:
+            y.backward()
+            x_grad = x.grad
+        results.append([x_grad] + [p.grad.clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
