@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU-only paths, on a machine with CUDA: one line per check (PASS / FAIL / SKIP).
+# The GPU-only paths, on a machine with CUDA: one line per check (PASS / FAIL / SKIP). On one GPU,
+# benchmarks/gpu_probe.sh is the fuller probe (a one-rank NCCL world, the Trainer under the sync debug mode,
+# the split backward, the codecs, and these checks), each step under a timeout.
 #   bash benchmarks/gpu_check.sh               # from the repository root
 # Writes benchmarks/results/gpu_check.json (engine checks) and benchmarks/results/gpu_memory_check.json (a
 # stage's peak memory and tokens/s against the memory model's prediction). Exits non-zero if a check failed.
