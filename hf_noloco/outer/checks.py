@@ -59,9 +59,11 @@ def check_finite(reductions: list[torch.Tensor], what: str, context: str) -> Non
     """Raises ``FloatingPointError`` if a reduction (a sum, a squared distance) of ``what`` is not finite."""
     for t in reductions:
         if not bool(torch.isfinite(t)):
-            raise FloatingPointError(
-                f"{context}: {what} contain NaN or inf; stopping rather than averaging them into a partner."
-            )
+            raise FloatingPointError(_not_finite(what, context))
+
+
+def _not_finite(what: str, context: str) -> str:
+    return f"{context}: {what} contain NaN or inf; stopping rather than averaging them into a partner."
 
 
 class DeviceChecks:
@@ -78,15 +80,18 @@ class DeviceChecks:
 
     def __init__(self):
         self._finite: list[torch.Tensor] = []
-        self._what: list[tuple[str, str]] = []
+        self._what: list[str] = []  # the error of each check
         self._on_device: dict[str, torch.Tensor] = {}
         self._on_host: dict[str, float] = {}
 
-    def check(self, reductions: list[torch.Tensor], what: str, context: str) -> None:
-        """Records whether every reduction (a sum, a squared distance) of ``what`` is finite."""
+    def check(
+        self, reductions: list[torch.Tensor], what: str, context: str, message: str | None = None
+    ) -> None:
+        """Records whether every reduction (a sum, a squared distance) of ``what`` is finite; ``message``: the
+        error to raise if not (default: :func:`check_finite`'s)."""
         if reductions:
             self._finite.append(torch.stack([torch.isfinite(t.detach()).all() for t in reductions]).all())
-            self._what.append((what, context))
+            self._what.append(message or _not_finite(what, context))
 
     def add(self, name: str, value: torch.Tensor | float) -> None:
         """Adds ``value`` (a 0-d tensor on the device, or a number) to the sum ``name``."""
@@ -108,12 +113,9 @@ class DeviceChecks:
         values = torch.cat(pieces).tolist() if pieces else []  # the outer step's one host sync
         what, sums = self._what, dict(self._on_host)
         self._finite, self._what, self._on_device, self._on_host = [], [], {}, {}
-        for fine, (item, context) in zip(values, what):
+        for fine, message in zip(values, what):
             if not fine:
-                raise FloatingPointError(
-                    f"{context}: {item} contain NaN or inf; stopping rather than averaging them into a "
-                    "partner."
-                )
+                raise FloatingPointError(message)
         for name, value in zip(names, values[len(what) :]):
             sums[name] += value
         return sums
