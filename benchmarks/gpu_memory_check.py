@@ -110,6 +110,9 @@ def main() -> None:
         except torch.OutOfMemoryError as exc:
             result = {"name": case["name"], "error": f"out of memory: {str(exc).splitlines()[0]}"}
         results.append(result)
+        if args.out:  # after every case: a run cut short at a timeout still reports the cases it measured
+            with open(args.out, "w") as f:
+                json.dump({"device": args.device, "torch": torch.__version__, "checks": results}, f, indent=1)
         if "error" in result:
             print(f"{result['name']}: {result['error']}", flush=True)
         elif result["peak_allocated"] is None:
@@ -125,9 +128,6 @@ def main() -> None:
                 f"(x{result['predicted_over_allocated']:.2f} of allocated)",
                 flush=True,
             )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": args.device, "torch": torch.__version__, "checks": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -489,19 +489,33 @@ def step_trainer(device: str, rec: Recorder) -> None:
     for (step, site), n in log.counts.items():
         per_step_counts.setdefault(str(step), {})[site] = n
     rec.data["syncs_by_step"] = per_step_counts
-    steady = range(3, steps + 1)  # steps 1-2: set-up (allocations, lazy initialisations)
-    sites = sorted({site for (step, site) in log.counts if isinstance(step, int) and step >= 3})
+    # Steps 1-2 set up (allocations, lazy initialisations); an outer step ends every inner_steps-th step.
+    inner_steps = args.inner_steps
+    inner = [s for s in range(3, steps + 1) if s % inner_steps]
+    outer_steps = [s for s in range(3, steps + 1) if not s % inner_steps]
+
+    def per_site(step_list):
+        sites = {site for (step, site) in log.counts if step in step_list}
+        return {site: max(log.counts.get((s, site), 0) for s in step_list) for site in sorted(sites)}
+
     microbatches = per_step // micro
-    heavy = {}
-    for site in sites:
-        counts = [log.counts.get((s, site), 0) for s in steady]
-        heavy[site] = max(counts)
-    per_microbatch = {site: n for site, n in heavy.items() if n >= microbatches}
-    rec.data["syncs_per_step_steady"] = heavy
+    inner_sites, outer_sites = per_site(inner), per_site(outer_steps)
+    per_microbatch = {site: n for site, n in inner_sites.items() if n >= microbatches}
+    rec.data["syncs_per_step"] = dict(inner_steps=inner_sites, outer_steps=outer_sites)
     if cuda:
         suspects = per_microbatch or "none"
-        detail = f"{len(sites)} call sites sync in steps 3-{steps}; at least once per microbatch: {suspects}"
+        detail = (
+            f"{sum(inner_sites.values())} syncs per inner step at most, at {len(inner_sites)} call sites; "
+            f"at least once per microbatch ({microbatches} a step): {suspects}"
+        )
         rec.row("no host sync per microbatch (set_sync_debug_mode)", not per_microbatch, detail)
+        extra = {site: n - inner_sites.get(site, 0) for site, n in outer_sites.items()}
+        extra = {site: n for site, n in extra.items() if n > 0}
+        rec.row(
+            "the host syncs an outer step adds (target: one read per outer step)",
+            None,
+            f"{sum(extra.values())} more than an inner step: {extra or 'none'}",
+        )
         walls = sorted(w for w, _ in timing.times[2:])
         gpus = sorted(g for _, g in timing.times[2:])
         if walls:
@@ -509,7 +523,7 @@ def step_trainer(device: str, rec: Recorder) -> None:
             rec.data["step_ms"] = dict(wall=wall, gpu=gpu)
             rec.row(
                 "CUDA-event time against wall time per step (median)",
-                None if not walls else True,
+                True,
                 f"wall {wall:.1f} ms, GPU {gpu:.1f} ms ({gpu / wall:.2f} of it)",
             )
     else:
@@ -734,8 +748,10 @@ def step_memory(device: str, rec: Recorder) -> None:
     out = os.path.join(os.path.dirname(rec.path), "gpu_memory_check.json")
     args = [os.path.join(BENCH_DIR, "gpu_memory_check.py"), "--device", device, "--out", out, "--steps", "2"]
     code, log = _run_script(args + ([] if _cuda(device) else ["--quick"]), budget("memory", device) - 10)
+    if code != 0:
+        reached = "timed out" if code is None else f"exit {code}"
+        rec.row("gpu_memory_check.py ran every case", False, f"{reached}: {log[-1500:]}")
     if not os.path.exists(out):
-        rec.row("gpu_memory_check.py cases", False, f"exit {code}: {log[-1500:]}")
         return
     with open(out) as f:
         for case in json.load(f)["checks"]:

@@ -37,3 +37,29 @@ def test_the_probes_dry_mode_runs_every_step_from_a_bare_copy(tmp_path):
     assert sum(row["passed"] is True for row in rows) >= 20  # the dry mode checks, not only skips
     table = (out / "gpu_probe.txt").read_text()
     assert table.startswith("gpu_probe (cpu): ") and "0 failed" in table.splitlines()[0]
+
+
+def test_the_sync_log_counts_sync_warnings_by_step_and_call_site():
+    """The Trainer step's counter of torch.cuda.set_sync_debug_mode's warnings (no GPU here: the warnings are
+    raised by hand, as torch raises them from the op that synchronises)."""
+    import importlib.util
+    import warnings
+
+    from tests.helpers.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_probe", os.path.join(ROOT, "benchmarks", "gpu_probe.py")
+    )
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    log = probe._SyncLog()
+    with log.recording("cpu"):
+        for step in (1, 2):
+            log.step = step
+            for _ in range(step):
+                warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        with warnings.catch_warnings(record=True) as other:
+            warnings.simplefilter("always")
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    assert sorted((step, n) for (step, _), n in log.counts.items()) == [(1, 1), (2, 2)]
+    assert len({site for _, site in log.counts}) == 1 and len(other) == 1
