@@ -27,7 +27,15 @@ import time
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH_DIR)
+# The package from this copy of the tree, installed or not (a device machine gets a bare copy: the ignored
+# *.egg-info of an editable install is not in it); the children it launches get it through PYTHONPATH.
+sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
+RESULTS = os.path.join(BENCH_DIR, "results", "gpu_check.json")
+CHECKS = ("single", "packed", "pipeline", "tied")
 CHILD_TIMEOUT = 900  # seconds one launched check may take
 
 
@@ -137,10 +145,9 @@ def single_process_checks(device: str, out: str) -> list[tuple[str, bool, str]]:
     inner = {t.device.type for state in trainer.optimizer.state.values() for t in state.values() if t.dim()}
     rows.append(("inner optimizer state beside its parameters", inner == {device}, f"on {sorted(inner)}"))
     pinned = device == "cuda"
-    outer = {
-        (t.device.type, t.is_pinned())
-        for t in trainer.outer.outer_state.phi_flat + trainer.outer.outer_state.delta_flat
-    }
+    kept = trainer.outer.outer_state
+    state = kept.phi_flat + kept.delta_flat + kept.wire.error
+    outer = {(t.device.type, t.is_pinned()) for t in state}
     rows.append(("offloaded outer state", outer == {("cpu", pinned)}, f"(device, pinned) = {sorted(outer)}"))
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
@@ -149,10 +156,9 @@ def single_process_checks(device: str, out: str) -> list[tuple[str, bool, str]]:
         _model_config(256, 2), _args(out, device, **{**run, "max_steps": 10}), train_dataset=data
     )
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-8"))
-    outer = {
-        (t.device.type, t.is_pinned())
-        for t in resumed.outer.outer_state.phi_flat + resumed.outer.outer_state.delta_flat
-    }
+    kept = resumed.outer.outer_state
+    state = kept.phi_flat + kept.delta_flat + kept.wire.error
+    outer = {(t.device.type, t.is_pinned()) for t in state}
     rows.append(("offloaded outer state after a resume", outer == {("cpu", pinned)}, f"{sorted(outer)}"))
 
     export = os.path.join(out, "export")
@@ -416,7 +422,15 @@ def main() -> int:
         "--no-save", action="store_true", help="do not write benchmarks/results/gpu_check.json"
     )
     parser.add_argument("--out-json", default=RESULTS, help="where the results go")
+    parser.add_argument(
+        "--only",
+        default=",".join(CHECKS),
+        help=f"the checks to run, comma-separated, of {', '.join(CHECKS)} (default: all)",
+    )
     args = parser.parse_args()
+    only = set(args.only.split(","))
+    if only - set(CHECKS):
+        parser.error(f"--only: unknown checks {sorted(only - set(CHECKS))}; choose from {', '.join(CHECKS)}")
     if args.worker == "tied-diloco":
         tied_diloco_worker(args.out, args.device)
         return 0
@@ -431,16 +445,19 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out = args.out or tmp
-            rows += _guarded("pp=1 checks", single_process_checks, args.device, os.path.join(out, "single"))
-            rows += _guarded("packed rows", packed_rows_checks, args.device)
-            if args.device == "cpu" or gpus >= 2:
+            if "single" in only:
+                single = os.path.join(out, "single")
+                rows += _guarded("pp=1 checks", single_process_checks, args.device, single)
+            if "packed" in only:
+                rows += _guarded("packed rows", packed_rows_checks, args.device)
+            if "pipeline" in only and (args.device == "cpu" or gpus >= 2):
                 nproc = 2 if args.device == "cpu" else (4 if gpus >= 4 else 2)
                 rows += _guarded("pp=2 and a killed rank", multi_process_checks, args.device, nproc, out)
-            else:
+            elif "pipeline" in only:
                 rows.append(("pp=2 and a killed rank", None, "need 2 GPUs or more"))
-            if args.device == "cuda" and gpus >= 8:
+            if "tied" in only and args.device == "cuda" and gpus >= 8:
                 rows += _guarded("tied DiLoCo dp 4 x pp 2", tied_diloco_check, args.device, out)
-            else:  # on gloo, tests/distributed/test_never_silently_wrong.py checks the same copies
+            elif "tied" in only:  # on gloo, tests/distributed/test_never_silently_wrong.py checks the copies
                 rows.append(("tied DiLoCo dp 4 x pp 2", None, "need 8 GPUs"))
     finally:  # every check reported and recorded, whatever happened to the others
         for check, passed, detail in rows:

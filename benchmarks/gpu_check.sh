@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The GPU-only paths, on a machine with CUDA: one line per check (PASS / FAIL / SKIP).
+# The GPU-only paths, on a machine with CUDA: one line per check (PASS / FAIL / SKIP). On one GPU,
+# benchmarks/gpu_probe.sh is the fuller probe (a one-rank NCCL world, the Trainer under the sync debug mode,
+# the split backward, the codecs, and these checks), each step under a timeout.
 #   bash benchmarks/gpu_check.sh               # from the repository root
 # Writes benchmarks/results/gpu_check.json (engine checks) and benchmarks/results/gpu_memory_check.json (a
 # stage's peak memory and tokens/s against the memory model's prediction). Exits non-zero if a check failed.
 set -u
 cd "$(dirname "$0")/.."
+# The package from this copy of the tree, installed or not (a bare copy on a device machine).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 echo "gpu_check: ${gpus} GPU(s). Needs 1 GPU for the pp=1 checks (about 1 minute), 2 for pp=2 and a killed"

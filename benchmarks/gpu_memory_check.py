@@ -1,7 +1,7 @@
 """GPU checks of the memory work: a stage trained on one GPU, its tokens/s and peak memory against
 hf_noloco.estimate.memory's prediction. One line per check.
 
-Each check trains one stage as its rank would (benchmarks/memory.py's StageRun: the stage's 1F1B order of
+Each check trains one stage as its rank would (benchmarks/memory.py's StageRun: its schedule's order of
 microbatches, clipping, fused AdamW, DiLoCo's outer step for the outer-state check), three steps untimed then
 ``--steps`` timed, and prints the median tokens/s, ``torch.cuda.max_memory_allocated`` (what the model
 predicts: live tensors) and ``max_memory_reserved`` (what the caching allocator held), with the ratio of the
@@ -43,12 +43,17 @@ CHECKS = [
     _check("1b-pp4-s1-bf16-ckpt", L1B, 4, 1, **BF16, ckpt=True, seq=4096, num_micro=8),
     _check("1b-pp4-s3-bf16-plain-loss", L1B, 4, 3, **BF16, seq=4096, num_micro=8),
     _check("1b-pp4-s3-bf16-chunked-loss", L1B, 4, 3, **BF16, seq=4096, num_micro=8, chunk=1024),
+    # a middle stage of Llama-3.2-1B over 4 stages, 1F1B and zb-h1 (which holds up to pp microbatches, and
+    # defers each one's weight gradients)
+    _check("1b-pp4-s2-bf16-1f1b", L1B, 4, 2, **BF16, seq=4096, num_micro=8),
+    _check("1b-pp4-s2-bf16-zbh1", L1B, 4, 2, **BF16, seq=4096, num_micro=8, schedule="zb-h1"),
     # one Llama-3.1-8B stage of 1 layer (of 4 over 4 stages) at a long sequence
     _check("8b-s1-bf16-ckpt-seq8192", L8B, 4, 1, **BF16, ckpt=True, seq=8192),
 ]
 QUICK_CHECKS = [
     bench._case("tiny-pp1-bf16-ckpt", bench.TINY, 1, 0, dtype="bfloat16", ckpt=True, seq=64),
     bench._case("tiny-pp2-s1-fp32-outer", bench.TINY, 2, 1, seq=64, outer="diloco", chunk=32),
+    bench._case("tiny-pp2-s1-fp32-zbh1", bench.TINY, 2, 1, seq=64, num_micro=4, schedule="zb-h1"),
 ]
 
 
@@ -105,6 +110,9 @@ def main() -> None:
         except torch.OutOfMemoryError as exc:
             result = {"name": case["name"], "error": f"out of memory: {str(exc).splitlines()[0]}"}
         results.append(result)
+        if args.out:  # after every case: a run cut short at a timeout still reports the cases it measured
+            with open(args.out, "w") as f:
+                json.dump({"device": args.device, "torch": torch.__version__, "checks": results}, f, indent=1)
         if "error" in result:
             print(f"{result['name']}: {result['error']}", flush=True)
         elif result["peak_allocated"] is None:
@@ -120,9 +128,6 @@ def main() -> None:
                 f"(x{result['predicted_over_allocated']:.2f} of allocated)",
                 flush=True,
             )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": args.device, "torch": torch.__version__, "checks": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Flat buffers: tensors packed one after the other into one 1-D buffer, moved or reduced as one message, and
-copied back; and a norm that never copies a whole tensor. Pure tensor code: no communication.
+copied back; a norm that never copies a whole tensor; and host buffers allocated pinned where a GPU copies
+them (offloaded state), so that copies to and from it run asynchronously. Pure tensor code: no communication.
 """
 
 from __future__ import annotations
@@ -48,3 +49,21 @@ def squared_norm(tensor: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     for piece in flat.split(_CHUNK_NUMEL):
         total += torch.linalg.vector_norm(piece, dtype=dtype) ** 2
     return total
+
+
+def pins_host_memory(device: torch.device | str) -> bool:
+    """Whether buffers on ``device`` are allocated pinned: host memory on a machine whose GPU copies them (an
+    offloaded state). A pinned buffer's copies to and from the GPU run asynchronously (``non_blocking``); a
+    pageable one's block the host until the copy is done."""
+    return torch.device(device).type == "cpu" and torch.cuda.is_available()
+
+
+def state_zeros(shape, device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zeros of a state buffer on ``device``, pinned where :func:`pins_host_memory` says."""
+    return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pins_host_memory(device))
+
+
+def zeros_beside(like: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``like``, on its device, and pinned when ``like`` is: ``torch.zeros_like`` of a
+    pinned tensor is not pinned (the offloaded momentum beside the pinned slow weights)."""
+    return torch.zeros(like.shape, dtype=like.dtype, device=like.device, pin_memory=like.is_pinned())

@@ -5,6 +5,14 @@ torch.distributed call of the training loop goes through this module (:func:`exc
 :func:`collective`, :func:`peer_call`), which turns what the call itself raises into :class:`PeerError`. So a
 lost peer is told apart from a bug by where the error came from, never by its text: gloo reports a closed
 connection as a plain ``RuntimeError``, and code of ours that raises one is not a communication failure.
+
+Once peers are known to be lost (:func:`peers_lost`: the heartbeat watcher found them silent and the
+communicators were aborted), every call of this module raises :class:`PeerError` naming them, whatever torch
+would raise (``ValueError``, ``DistBackendError``, ``RuntimeError``), before touching an aborted communicator.
+
+Each wait is chosen by the operation it waits for (:class:`Posted`): an NCCL operation is a *stream* wait (the
+current CUDA stream waits, the host does not), any other (gloo: the CPU flag group of an NCCL run too) a host
+wait bounded by the deadline.
 """
 
 from __future__ import annotations
@@ -53,16 +61,78 @@ def interrupt_waits_on(event: threading.Event | None) -> None:
     _interrupt = event
 
 
-# On NCCL (use_stream_waits) a wait makes the current CUDA stream wait for the operation and returns at once:
-# the host never blocks per message, and a lost peer is found by the heartbeat watcher instead
-# (hf_noloco.resilience.watch.PeerWatch.watch_peers) and by NCCL's watchdog.
+# On NCCL a wait makes the current CUDA stream wait for the operation and returns at once: the host never
+# blocks per message, and a lost peer is found by the heartbeat watcher instead
+# (hf_noloco.resilience.watch.PeerWatch.watch_peers) and by NCCL's watchdog. Which kind of wait an operation
+# gets is decided by its process group's backend when it is posted here (Posted); this switch is the kind for
+# Work objects posted elsewhere, whose group this module never saw (the mesh sets it to its backend's).
 _stream_waits = False
+
+# Set once peers are lost and the communicators aborted (peers_lost): what every call here then raises.
+_lost: str | None = None
 
 
 def use_stream_waits(enabled: bool) -> None:
-    """Waits become stream waits (NCCL: ``enabled``), or bounded host waits (gloo, the default)."""
+    """Work objects posted outside this module are waited for as stream waits (NCCL: ``enabled``), or with
+    bounded host waits (gloo, the default). Operations posted here get the kind of wait of their group's
+    backend, whatever this says."""
     global _stream_waits
     _stream_waits = enabled
+
+
+def peers_lost(message: str | None) -> None:
+    """From now on every communication call of this module raises :class:`PeerError` with ``message`` (which
+    names the lost peers), without touching a communicator; ``None``: calls are made again (new process groups
+    over the live ranks). Called before the communicators are aborted
+    (:meth:`hf_noloco.engine.mesh.PipelineMesh.abort`), so that a wait the abort unblocks names the peers too.
+    """
+    global _lost
+    _lost = message
+
+
+def lost_peers() -> str | None:
+    """What :func:`peers_lost` recorded (``None``: no peer is known to be lost)."""
+    return _lost
+
+
+def _raise_if_lost(what: str) -> None:
+    if _lost is not None:
+        raise PeerError(f"{what}: {_lost}".lstrip(": "))
+
+
+class Posted:
+    """A posted operation's ``Work`` and how to wait for it: ``stream`` (an NCCL operation: the current CUDA
+    stream waits, the host does not) or a host wait bounded by the caller's deadline. Other attributes are the
+    ``Work``'s."""
+
+    __slots__ = ("work", "stream")
+
+    def __init__(self, work, stream: bool):
+        self.work, self.stream = work, stream
+
+    def wait(self, timeout: timedelta | None = None):
+        return self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _backend_name(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
+    """The backend that moves ``device`` tensors in ``group`` (None: the default group), as ``"nccl"`` or
+    ``"gloo"``; ``None`` when there is no such process group (tests' stand-ins)."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        backend = pg._get_backend(device)
+    except Exception:  # noqa: BLE001 - no process group, or none for this device
+        return None
+    return type(backend).__name__.removeprefix("ProcessGroup").lower()
+
+
+def stream_waits_for(group: dist.ProcessGroup | None, device: torch.device | str = "cuda") -> bool:
+    """Whether an operation on ``group`` moving ``device`` tensors is waited for as a stream wait (its
+    backend is NCCL); without a known backend, :func:`use_stream_waits`' setting."""
+    name = _backend_name(group, torch.device(device))
+    return _stream_waits if name is None else name == "nccl"
 
 
 def free_port() -> int:
@@ -132,16 +202,20 @@ def post(
     ``receives_first``: under gloo, two ranks that both post their send before their receive move the two
     directions one after the other (measured on a rate-limited link: half the rate each way, twice the time,
     for the outer sync's exchange of whole stages); receives posted first let both directions flow at once.
-    Within one batch NCCL does not care about the order."""
-    send_ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
-    recv_ops = [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in recvs]
-    ops = recv_ops + send_ops if receives_first else send_ops + recv_ops
-    if not ops:
+    Within one batch NCCL does not care about the order.
+
+    The operations are built and posted inside the guarded region: after an abort, or with a peer's
+    connection already closed (gloo: it died), what torch raises is a :class:`PeerError`."""
+    if not sends and not recvs:
         return [], []
-    try:
+    device = (sends or recvs)[0][0].device
+    with peer_call(f"posting {_batch_description(sends, recvs, describe_peer)}"):
+        send_ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
+        recv_ops = [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in recvs]
+        ops = recv_ops + send_ops if receives_first else send_ops + recv_ops
         works = dist.batch_isend_irecv(ops)
-    except RuntimeError as exc:  # gloo: a peer's connection is already closed (it died) when posting
-        raise PeerError(f"posting {_batch_description(sends, recvs, describe_peer)} failed ({exc})") from exc
+    stream = stream_waits_for(group, device)
+    works = [Posted(work, stream) for work in works]
     if len(works) == len(ops):
         if receives_first:
             recv_works, send_works = works[: len(recvs)], works[len(recvs) :]
@@ -171,19 +245,24 @@ def wait_sends(pending: Sequence[tuple[dist.Work, str]], timeout: float, context
 
 
 def _wait(work: dist.Work, timeout: float, action: str, context: str) -> None:
-    if _stream_waits:
-        work.wait()  # NCCL: the stream waits, not the host (see use_stream_waits)
-        return
+    _raise_if_lost(f"{context}: {action}".lstrip(": "))
+    stream = work.stream if isinstance(work, Posted) else _stream_waits
     try:
+        if stream:
+            work.wait()  # NCCL: the stream waits, not the host
+            return
         if _interrupt is not None:
             completed = _interruptible_wait(work, timeout, _interrupt, action, context)
         else:
             completed = work.wait(timeout=timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        if isinstance(exc, ViewChange):
-            raise  # gloo: timeout or a closed connection (the peer died); NCCL: watchdog abort
+    except ViewChange:
+        raise
+    except Exception as exc:  # gloo: timeout or a closed connection (the peer died); NCCL: an aborted one
+        if not isinstance(exc, RuntimeError) and _lost is None:
+            raise
+        lost = f": {_lost}" if _lost is not None else ""
         raise PeerError(
-            f"{context}: failed {action} within p2p_timeout={timeout:g}s ({exc})".lstrip(": ")
+            f"{context}: failed {action} within p2p_timeout={timeout:g}s ({exc}){lost}".lstrip(": ")
         ) from exc
     if completed is False:
         raise PeerError(f"{context}: timed out {action} after p2p_timeout={timeout:g}s".lstrip(": "))
@@ -219,29 +298,48 @@ def _interruptible_wait(
 
 def wait_collective(work: dist.Work, timeout: float, what: str) -> None:
     """Waits for an async collective (``async_op=True``) for at most ``timeout`` seconds; a lost member is a
-    :class:`PeerError` that says which collective and which ranks were involved."""
+    :class:`PeerError` that says which collective and which ranks were involved. A :class:`Posted` (from
+    :func:`post_collective`) is waited for as its backend needs; a bare ``Work`` as :func:`use_stream_waits`
+    says."""
     _wait(work, timeout, "to complete", what)
 
 
-def collective(op: Callable, *args, timeout: float, what: str, **kwargs) -> None:
-    """Posts the torch.distributed collective ``op(*args, async_op=True, **kwargs)`` and waits for it at most
-    ``timeout`` seconds: a failure while posting or waiting is a :class:`PeerError` naming ``what``."""
+def post_collective(call: Callable, /, *args, what: str, **kwargs) -> Posted:
+    """Posts the torch.distributed collective ``call(*args, async_op=True, **kwargs)`` (``group=`` among the
+    keywords, default the default group) and returns it, to be waited for by :func:`wait_collective`: a
+    stream wait on an NCCL group, a bounded host wait on a gloo one (the CPU flag group of an NCCL run). A
+    failure while posting is a :class:`PeerError` naming ``what``."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
+        t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)
+    ]
+    device = tensors[0].device if tensors else torch.device("cpu")
     with peer_call(what):
-        work = op(*args, async_op=True, **kwargs)
-    wait_collective(work, timeout, what)
+        work = call(*args, async_op=True, **kwargs)
+    return Posted(work, stream_waits_for(kwargs.get("group"), device))
+
+
+def collective(call: Callable, /, *args, timeout: float, what: str, **kwargs) -> None:
+    """Posts the torch.distributed collective ``call(*args, async_op=True, **kwargs)`` and waits for it at
+    most ``timeout`` seconds: a failure while posting or waiting is a :class:`PeerError` naming ``what``."""
+    wait_collective(post_collective(call, *args, what=what, **kwargs), timeout, what)
 
 
 @contextlib.contextmanager
 def peer_call(what: str):
     """Wraps one torch.distributed call that has no bounded form (object collectives, blocking sends): a
-    ``RuntimeError`` it raises is a :class:`PeerError` naming ``what``. Wrap the call alone, never code of
-    ours, so that a bug is never mistaken for a lost peer."""
+    ``RuntimeError`` it raises (``DistBackendError`` included) is a :class:`PeerError` naming ``what``; once
+    peers are known lost (:func:`peers_lost`), the call is not made and any error is one naming them. Wrap
+    the call alone, never code of ours, so that a bug is never mistaken for a lost peer."""
+    _raise_if_lost(what)
     try:
         yield
     except PeerError:
         raise
-    except RuntimeError as exc:
-        raise PeerError(f"{what} failed ({exc})") from exc
+    except Exception as exc:
+        if not isinstance(exc, RuntimeError) and _lost is None:
+            raise  # before any loss a ValueError or TypeError is ours (a bug), not a lost peer
+        lost = f": {_lost}" if _lost is not None else ""
+        raise PeerError(f"{what} failed ({exc}){lost}") from exc
 
 
 # NCCL's watchdog acts on a group's timeout; our own waits give up after p2p_timeout and then name the lost

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hf_noloco.engine.comm import free_port, group_timeout, use_stream_waits
+from hf_noloco.engine.comm import free_port, group_timeout, peers_lost, use_stream_waits
 from hf_noloco.engine.shape import mesh_shape, rank_of
 
 
@@ -111,14 +111,36 @@ class PipelineMesh:
             else:
                 dist.distributed_c10d._set_pg_timeout(backend_timeout, group)
 
-    def abort(self) -> None:
-        """Aborts every NCCL communicator of this rank (a peer is lost: what waits on it fails now, instead of
-        after the watchdog's timeout). Through torch's private abort, where it has one."""
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        for group in dict.fromkeys(self._groups):
+    def abort(self, lost: list[int] | None = None) -> None:
+        """A peer is lost (``lost``: the ranks the heartbeat watcher found silent): every communication call
+        of :mod:`~hf_noloco.engine.comm` raises a :class:`~hf_noloco.engine.comm.PeerError` naming them from
+        now on, and every communicator of this process is aborted, so that what waits on them fails now
+        (NCCL), instead of after the watchdog's timeout.
+
+        Each group is aborted by itself (``ProcessGroup.abort``) and stays registered: torch's
+        ``_abort_process_group(WORLD)`` would also clear the registry and the default group, after which
+        every call (building a ``P2POp``, an all-reduce) fails with ``ValueError: Default process group has
+        not been initialized`` instead of naming the lost rank. The aborts run inside one NCCL group (as
+        torch's own does), so that aborting one communicator never waits on another's."""
+        names = self.describe_ranks(sorted(lost)) if lost else "unknown (the communicators were aborted)"
+        peers_lost(f"{self.describe()}: Peers that stopped responding: {names}")
+        registered = getattr(dist.distributed_c10d._world, "pg_map", {})
+        groups = [g if g is not None else dist.group.WORLD for g in dict.fromkeys(self._groups)]
+        groups = list(dict.fromkeys([*groups, *registered]))
+        nccl = None
+        with contextlib.suppress(Exception):
+            backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+            nccl = backend if type(backend).__name__ == "ProcessGroupNCCL" else None
+        with contextlib.suppress(Exception):
+            if nccl is not None:
+                nccl._group_start()
+        for group in groups:
             with contextlib.suppress(Exception):  # best effort: the watchdog still ends what this misses
-                if abort is not None:
-                    abort(group if group is not None else dist.group.WORLD)
+                if group is not None and hasattr(group, "abort"):
+                    group.abort()
+        with contextlib.suppress(Exception):
+            if nccl is not None:
+                nccl._group_end()
 
     @contextlib.contextmanager
     def patient(self, seconds: float):
@@ -198,8 +220,9 @@ class PipelineMesh:
         stage's replica group and this column's group, each made by its members only (a lost rank takes no
         part) and fresh, so that nothing left half-done on an old group can match a new message. Every live
         rank calls it with the same arguments. (No background group: ``on_replica_loss="continue"`` refuses
-        ``outer_overlap_steps``.)"""
+        ``outer_overlap_steps``.) After an :meth:`abort`, communication is made again, on these groups."""
         self.live_replicas, self.view = sorted(live_replicas), view
+        peers_lost(None)
         self.world_group = self._members_group(self.live_ranks(), "world")
         ranks = [self.rank_of(r, self.stage) for r in self.live_replicas]
         self.replica_group = self._members_group(ranks, f"replica-{self.stage}")

@@ -15,10 +15,19 @@ The order of computes and messages is the plan of :mod:`hf_noloco.engine.schedul
 or ZB-H1), which batches every send with the receive the peer needs at the same moment, so that it cannot
 deadlock under NCCL; the engine runs that plan and nothing else. Under ZB-H1 a stage's backward is split
 (:mod:`hf_noloco.engine.split_backward`): B computes the input gradient, which leaves at once, and W the
-weight gradients, later, where the plan puts it; a batch's receives are then waited for only when the compute
-that needs them comes, so a W runs while they travel. No forward is recomputed unless asked:
-activation checkpointing of the decoder layers (``PipelineStage.activation_checkpointing_enable``) and the
-chunked loss (``loss_chunk_tokens``) trade a recomputation for memory. Activations and gradients travel in
+weight gradients, later, where the plan puts it.
+
+The host never waits per microbatch on a GPU: a batch's receives are waited for where their data is first
+used (a stream wait on NCCL, so the compute queued before that point runs while they travel; under ZB-H1 a
+W), its sends at the end of the step (their buffers are never reused within it); stage 0 copies its batch to
+the device once per step, from pinned memory and without waiting; the rows of a routed message are indexed by
+tensors made from pinned memory, kept in a bounded cache; and packed rows under flash-attention get their
+sequence boundaries (``cu_seq_lens``, ``max_length``) once per microbatch, computed on the host where the
+positions are host data (stage 0), not from the positions in every decoder layer.
+
+No forward is recomputed unless asked: activation checkpointing of the decoder layers
+(``PipelineStage.activation_checkpointing_enable``) and the chunked loss (``loss_chunk_tokens``) trade a
+recomputation for memory. Activations and gradients travel in
 ``wire_dtype`` (bfloat16 under bf16 mixed precision: half the bytes) and are computed in the stage's dtype.
 """
 
@@ -27,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -36,12 +46,13 @@ from hf_noloco.engine.comm import abandon, collective, exchange, post, strict_p2
 from hf_noloco.engine.losses import next_token_losses, target_token_count
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.routing import Router
-from hf_noloco.engine.schedule import BACKWARD, FORWARD, WEIGHT, Post, routed_links, step_plan
+from hf_noloco.engine.schedule import BACKWARD, FORWARD, Post, routed_links, step_plan
 from hf_noloco.engine.split_backward import backward_input
-from hf_noloco.engine.stage import PipelineStage
+from hf_noloco.engine.stage import PipelineStage, packed_sequence_lengths
 from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice, check_microbatch_size, check_positive_int
 
 _META_FIXED = 2  # sample id, origin batch's target-token count; then labels, attention mask, positions
+_INDEX_CACHE = 256  # row indices kept on the device (sample routing draws other rows every microbatch)
 
 
 @dataclass
@@ -113,7 +124,7 @@ class PipelineEngine:
         self.device = next(stage.parameters()).device
         self.activation_dtype = next(stage.parameters()).dtype
         self.wire_dtype = wire_dtype or self.activation_dtype
-        self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # see _index
+        self._indices: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # see _index
         self.step_index = 0  # training steps run: the routing key of `step` granularity
         self.samples_seen = 0  # per-replica samples trained on: the routing key of `sample` granularity
 
@@ -167,7 +178,6 @@ class PipelineEngine:
     # ---------------------------------------------------------------------------------------- schedule
 
     def _run(self, batch: dict[str, torch.Tensor], router: Router, micro: int, training: bool) -> StepResult:
-        input_ids = batch["input_ids"]
         rows, seq_len = self._check_batch(batch, micro)
         mesh, stage = self.mesh, self.stage
         # Every rank of a column reads the same kind of batch. Padded rows: the mask goes to the stages.
@@ -176,10 +186,16 @@ class PipelineEngine:
         # neither, and HF's mask code has nothing to look for (which would wait for the device).
         has_positions = batch.get("position_ids") is not None
         has_mask = batch.get("attention_mask") is not None and not has_positions
-        meta = self._make_meta(batch, rows, seq_len) if stage.is_first else None
+        input_ids = meta = varlen = None
+        if stage.is_first:  # the batch to the device once, without waiting (other stages use none of it)
+            input_ids = self._on_device(batch["input_ids"])
+            meta = self._make_meta(batch, rows, seq_len)
+            if has_positions and stage.flattens_packed_rows and stage.uses_flash_attention:
+                varlen = self._packed_lengths(batch["position_ids"], micro)
         inputs, outputs, sample_ids = {}, {}, []
         outgoing, arrived, pending = {}, {}, []  # (phase, m) -> tensors to send / received; sends in flight
-        self._awaited = {}  # (phase, m) -> receives posted, not yet waited for: (works, parts, context)
+        # (phase, m) -> receives posted, not yet waited for: (works, parts, context, the batch's sends)
+        self._awaited = {}
         weights = {}  # m -> the deferred W of microbatch m (zb-h1), absent where B ran the whole backward
         # Stage 0 has no input gradient to send: its B is the whole backward, as it is under checkpointing.
         split = self.schedule == "zb-h1" and not stage.is_first and not stage.is_activation_checkpointing
@@ -189,17 +205,17 @@ class PipelineEngine:
         def forward(m: int) -> None:
             nonlocal loss
             if stage.is_first:
-                x, mb_meta = (
-                    input_ids[m * micro : (m + 1) * micro].to(self.device),
-                    meta[m * micro : (m + 1) * micro],
-                )
+                x, mb_meta = input_ids[m * micro : (m + 1) * micro], meta[m * micro : (m + 1) * micro]
             else:
                 x, mb_meta = self._arrived(arrived, FORWARD, m, micro)
                 x = x.to(self.activation_dtype).requires_grad_(training)
             sample_ids.append(mb_meta[:, 0])
             labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len, has_mask, has_positions)
+            lengths = varlen[m] if varlen is not None else None
             with self.autocast():
-                y = stage(x, attention_mask=attention_mask, position_ids=position_ids, logits=False)
+                y = stage(
+                    x, attention_mask=attention_mask, position_ids=position_ids, logits=False, varlen=lengths
+                )
                 if stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
                     token_losses = next_token_losses(
                         y, labels, stage.lm_head, self.loss_chunk_tokens, stage.extras
@@ -241,11 +257,9 @@ class PipelineEngine:
         schedule = self.schedule if training else "forward"
         plan = step_plan(schedule, rows // micro, mesh.num_stages, mesh.stage, mesh.rank, links)
         try:
-            for i, item in enumerate(plan):
+            for item in plan:
                 if isinstance(item, Post):
-                    # A W next: wait for the receives when their compute comes, the W running meanwhile.
-                    later = i + 1 < len(plan) and getattr(plan[i + 1], "phase", None) == WEIGHT
-                    pending += self._post(item, outgoing, arrived, micro, seq_len, later)
+                    pending += self._post(item, outgoing, arrived, micro, seq_len)
                 elif item.phase == FORWARD:
                     forward(item.microbatch)
                 elif item.phase == BACKWARD:
@@ -259,7 +273,7 @@ class PipelineEngine:
             self.wait_seconds += time.perf_counter() - start
         except Exception:
             # under on_replica_loss="continue", operations never waited for stay alive
-            abandon(pending + [work for works, _, _ in self._awaited.values() for work in works])
+            abandon(pending + [work for works, *_ in self._awaited.values() for work in works])
             raise
         return StepResult(loss, target_tokens, sample_ids)
 
@@ -279,38 +293,64 @@ class PipelineEngine:
         return rows, seq_len
 
     def _index(self, rows: tuple[int, ...]) -> torch.Tensor:
-        """The rows of a message as an index on the device, made once per distinct set of rows (a
-        microbatch has few): no host-to-device copy, and so no wait for the device, per message."""
+        """The rows of a message as an index on the device. Sample routing draws other rows every microbatch,
+        so the index is copied from pinned memory without waiting, and only the last ``_INDEX_CACHE`` sets of
+        rows are kept."""
         index = self._indices.get(rows)
         if index is None:
-            index = self._indices[rows] = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            index = self._indices[rows] = self._on_device(torch.tensor(rows, dtype=torch.int64))
+            if len(self._indices) > _INDEX_CACHE:
+                self._indices.popitem(last=False)
+        else:
+            self._indices.move_to_end(rows)
         return index
 
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on this stage's device, copied without waiting: from pinned memory when it is host
+        memory and the device a GPU (a pageable source would block the host until the copy is done)."""
+        if tensor.device.type == "cpu" and self.device.type != "cpu" and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
+
     def _make_meta(self, batch: dict[str, torch.Tensor], rows: int, seq_len: int) -> torch.Tensor:
-        """The per-row record that travels with each activation (built on the first stage)."""
+        """The per-row record that travels with each activation (built on the first stage, on the device)."""
         labels = batch.get("labels")
-        labels = batch["input_ids"] if labels is None else labels
+        labels = self._on_device(batch["input_ids"] if labels is None else labels).long()
         mask = batch.get("attention_mask")
-        mask = torch.zeros_like(labels) if mask is None else mask  # no mask: its slot is not read
+        # no mask: its slot is not read
+        mask = torch.zeros_like(labels) if mask is None else self._on_device(mask).long()
         positions = batch.get("position_ids")
-        positions = torch.arange(seq_len).expand(rows, seq_len) if positions is None else positions
+        if positions is None:
+            positions = torch.arange(seq_len, device=self.device).expand(rows, seq_len)
+        else:
+            positions = self._on_device(positions).long()
         # Sample ids are unique over the run: (per-replica sample index) * dp + origin replica.
-        slots = torch.arange(self.samples_seen, self.samples_seen + rows, dtype=torch.int64)
-        ids = slots * self.mesh.num_replicas + self.mesh.replica
-        labels, mask, positions = (t.to(self.device, torch.int64) for t in (labels, mask, positions))
+        first = self.samples_seen * self.mesh.num_replicas + self.mesh.replica
+        ids = torch.arange(rows, device=self.device).mul_(self.mesh.num_replicas).add_(first)
         target_tokens = target_token_count(labels).expand(rows)
-        fixed = torch.stack([ids.to(self.device), target_tokens], dim=1)
+        fixed = torch.stack([ids, target_tokens], dim=1)
         return torch.cat([fixed, labels, mask, positions], dim=1)
+
+    def _packed_lengths(self, positions: torch.Tensor, micro: int) -> list[tuple[torch.Tensor, int]]:
+        """Per microbatch, the sequence boundaries of its packed rows run as one flat row (flash-attention's
+        ``cu_seq_lens`` on the device, and ``max_length``), from the batch's positions read once per step
+        on the host (a host tensor as a loader gives it: no wait at all)."""
+        host = positions.cpu()
+        return [
+            (self._on_device(cu), longest)
+            for cu, longest in (
+                packed_sequence_lengths(host[start : start + micro]) for start in range(0, len(host), micro)
+            )
+        ]
 
     # ----------------------------------------------------------------------------------- communication
 
-    def _post(
-        self, batch: Post, outgoing: dict, arrived: dict, micro: int, seq_len: int, later: bool
-    ) -> list:
+    def _post(self, batch: Post, outgoing: dict, arrived: dict, micro: int, seq_len: int) -> list:
         """Posts one batch of the plan: the sends of the compute just done (from ``outgoing``) and the
-        receives of the next one, which it waits for and assembles into ``arrived`` (``later``: which
-        :meth:`_arrived` does once they are needed). Returns the sends still in flight, with the tensors that
-        must stay alive until they have left."""
+        receives of the next one. Nothing is waited for here: the receives where their data is used
+        (:meth:`_arrived`), the sends at the end of the step. Returns the sends still in flight, with the
+        tensors that must stay alive until they have left. Under ``HF_NOLOCO_STRICT_P2P`` the whole batch is
+        waited for at once (NCCL's stream order, on gloo)."""
         sends = []
         for msg in batch.sends:
             tensors = outgoing[msg.phase, msg.microbatch]
@@ -326,10 +366,7 @@ class PipelineEngine:
         first = (batch.recvs or batch.sends)[0]
         context = self._context(first.phase, first.microbatch)
         key = (parts[0][0].phase, parts[0][0].microbatch) if parts else None
-        if later and parts and not strict_p2p():  # strict: every batch completes before the next compute
-            received, in_flight = post(sends, recvs, self.mesh.describe_rank, self.mesh.world_group)
-            self._awaited[key] = (received, parts, context)
-        else:
+        if strict_p2p():
             start = time.perf_counter()
             in_flight = exchange(
                 sends, recvs, self.p2p_timeout, self.mesh.describe_rank, context, group=self.mesh.world_group
@@ -337,14 +374,18 @@ class PipelineEngine:
             self.wait_seconds += time.perf_counter() - start
             if parts:
                 arrived[key] = self._assemble(parts, micro)
+        else:
+            received, in_flight = post(sends, recvs, self.mesh.describe_rank, self.mesh.world_group)
+            if parts:  # NCCL: one Work for the batch, under `received`; its sends live as long
+                self._awaited[key] = (received, parts, context, sends)
         for msg in batch.sends:  # the pending sends returned below keep what is still needed
             outgoing.pop((msg.phase, msg.microbatch), None)
         return [(work, sends) for work in in_flight]
 
     def _arrived(self, arrived: dict, phase: str, m: int, micro: int) -> tuple[torch.Tensor, ...]:
-        """The received tensors of ``(phase, m)``, waited for first if their batch was posted earlier."""
+        """The received tensors of ``(phase, m)``, waited for now, where they are first used."""
         if (phase, m) in self._awaited:
-            received, parts, context = self._awaited.pop((phase, m))
+            received, parts, context, _ = self._awaited.pop((phase, m))
             start = time.perf_counter()
             try:
                 wait_sends(received, self.p2p_timeout, context)

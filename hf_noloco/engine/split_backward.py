@@ -13,8 +13,15 @@ activations that give the weights' gradients, accumulated into ``.grad`` as ``ba
 Every parameter gradient is then the same kernel on the same numbers as in one ``backward`` (bit for bit:
 the joint's gradient was summed by the same engine in the same order), provided a parameter takes its
 gradient from one joint only; when several (a module applied twice) the sum over joints may be ordered
-differently. A node that computes its input and weight gradients in one call (a custom ``Function``) runs
-twice, once in B and once in W.
+differently.
+
+A node that computes its input and weight gradients in one call (a custom ``autograd.Function``: the chunked
+loss, a ``torch.compile``'d layer's ``CompiledFunctionBackward``) would run in full twice, once in B and once
+in W. The parameters whose branches meet the input path at such a node take their gradients in B instead, from
+that one call (the same kernel on the same numbers as one ``backward``, accumulated into ``.grad`` in B's
+order, which is the microbatches' order): W then skips them. A compiled region's backward cannot even run
+with ``retain_graph`` (it donates its saved buffers), so a stage with compiled layers takes every gradient in
+B: its W is empty, as under activation checkpointing.
 
 Not for activation checkpointing: a checkpointed region is recomputed once per ``autograd.grad`` call that
 unpacks it, so W (one call per group of parameters sharing joints) would recompute each layer many times, and
@@ -64,14 +71,7 @@ class WeightGradient:
         finally:
             for handle in handles:
                 handle.remove()
-        with torch.no_grad():
-            for param, grad in zip(params, weight_grads):
-                if grad is None:
-                    continue
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad += grad
+        _accumulate(params, weight_grads)
 
 
 def backward_input(
@@ -139,12 +139,46 @@ def backward_input(
 
         return hook
 
-    joints = {j for group, _ in groups for j in group}
+    # Groups meeting the input path at a node that computes every gradient in one call are done in B; all of
+    # them when the graph holds a node that cannot run twice (a compiled region's backward donates its
+    # buffers: it refuses retain_graph), so that B frees the graph.
+    once = any(_runs_once(node) for node in parents)
+    now = [(js, ps) for js, ps in groups if ps and (once or any(_single_call(j) for j in js))]
+    later = [(js, ps) for js, ps in groups if ps and not (once or any(_single_call(j) for j in js))]
+    in_b = [p for _, ps in now for p in ps]
+    joints = {j for group, _ in later for j in group}
     handles = [joint.register_prehook(keep(joint)) for joint in joints]
     try:
-        (grad_input,) = torch.autograd.grad(output, input, grad_output, retain_graph=True)
+        grad_input, *grads = torch.autograd.grad(
+            output, [input, *in_b], grad_output, retain_graph=bool(later), allow_unused=True
+        )
     finally:
         for handle in handles:
             handle.remove()
-    ordered = [(sorted(js, key=lambda n: -n._sequence_nr()), ps) for js, ps in groups if ps]
+    _accumulate(in_b, grads)
+    ordered = [(sorted(js, key=lambda n: -n._sequence_nr()), ps) for js, ps in later]
     return grad_input, WeightGradient(ordered, captured)
+
+
+def _runs_once(node: Node) -> bool:
+    """Whether ``node``'s backward cannot be run with ``retain_graph`` (``torch.compile``'s compiled regions,
+    whose backward reuses (donates) its saved buffers)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
+def _single_call(node: Node) -> bool:
+    """Whether ``node`` computes all its inputs' gradients in one call, whichever are asked for: a custom
+    ``autograd.Function``'s backward (``torch.compile``'s ``CompiledFunctionBackward`` is one)."""
+    return isinstance(node, torch.autograd.function.BackwardCFunction)
+
+
+@torch.no_grad()
+def _accumulate(params: list[torch.nn.Parameter], grads) -> None:
+    """Adds ``grads`` into the parameters' ``.grad``, as ``backward`` does."""
+    for param, grad in zip(params, grads):
+        if grad is None:
+            continue
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad += grad

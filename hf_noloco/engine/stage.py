@@ -206,11 +206,9 @@ class PipelineStage(nn.Module):
             raise ValueError(f"every_n_layers must be a positive integer, got {every_n_layers!r}.")
         fn = functools.partial(torch_checkpoint, use_reentrant=False, **kwargs)
         if offload:
-            device_type = next(self.parameters()).device.type
-            pin = device_type != "cpu"
 
             def fn(function, *args, _inner=fn, **kw):
-                with torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=device_type):
+                with offload_saved_tensors():
                     return _inner(function, *args, **kw)
 
         self._checkpoint_fn, self._checkpoint_every = fn, every_n_layers
@@ -232,10 +230,17 @@ class PipelineStage(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits: bool = True,
+        varlen: tuple[torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         """Hidden states, or on the last stage the logits; with ``logits=False`` the last stage returns the
         final normed hidden states instead, for a loss that applies ``lm_head`` chunk by chunk
-        (:func:`~hf_noloco.engine.losses.next_token_losses`, given :attr:`extras`)."""
+        (:func:`~hf_noloco.engine.losses.next_token_losses`, given :attr:`extras`).
+
+        Packed rows under flash-attention run as one flat row whose sequences the kernels take from
+        ``cu_seq_lens`` and ``max_length``: ``varlen`` when given (:func:`packed_sequence_lengths` of the
+        rows' positions, computed where they are host data), else computed here from ``position_ids``, once
+        for every layer (HF's own code would find them again in each decoder layer, each time waiting for the
+        device), and no mask is built (flash-attention's is ``None`` without padding)."""
         hidden = inputs
         if self.is_first:
             hidden = self.model.embed_tokens(inputs)
@@ -250,8 +255,13 @@ class PipelineStage(nn.Module):
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         else:
             position_ids = given_positions
-        # Only given positions are searched for packed sequences (an arange holds none to find).
-        masks = self._masks(hidden, attention_mask, given_positions)
+        extra = {}
+        if flat and self.uses_flash_attention:
+            cu, longest = varlen if varlen is not None else packed_sequence_lengths(given_positions)
+            extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+            masks = dict.fromkeys(self._layer_types)
+        else:  # only given positions are searched for packed sequences (an arange holds none to find)
+            masks = self._masks(hidden, attention_mask, given_positions)
         rotary = self._rotary_embeddings(hidden, position_ids)
         recompute = self._checkpoint_fn is not None and self.training and torch.is_grad_enabled()
         for (index, layer), layer_type in zip(self.model.layers.items(), self._layer_types):
@@ -259,6 +269,7 @@ class PipelineStage(nn.Module):
                 attention_mask=masks[layer_type],
                 position_ids=position_ids,
                 position_embeddings=rotary[layer_type],
+                **extra,
             )
             if recompute and int(index) % self._checkpoint_every == 0:
                 hidden = self._checkpoint_fn(layer, hidden, **kwargs)
@@ -279,6 +290,11 @@ class PipelineStage(nn.Module):
         implementations)."""
         return self.flatten_packed if self.flatten_packed is not None else _is_flash(self.config)
 
+    @property
+    def uses_flash_attention(self) -> bool:
+        """Whether the layers run flash-attention kernels (``flash_attention_2``/``3`` and kernels' ones)."""
+        return _is_flash(self.config)
+
     def _masks(self, hidden, attention_mask, position_ids) -> dict[str, torch.Tensor | None]:
         mask_kwargs = dict(
             config=self.config,
@@ -295,6 +311,43 @@ class PipelineStage(nn.Module):
             shared = rotary(hidden, position_ids=position_ids)
             return dict.fromkeys(self._layer_types, shared)
         return {t: rotary(hidden, position_ids, t) for t in dict.fromkeys(self._layer_types)}
+
+
+def offload_saved_tensors():
+    """Tensors saved for the backward pass go to host memory and come back for it, as
+    ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` does, without blocking the host: the device-to-host
+    copy is ``non_blocking`` into pinned memory (``save_on_cpu`` copies synchronously, a host sync per saved
+    tensor), on the current stream, so the saved tensor's later writes and reuse come after it, and the copy
+    back is the same stream's too. On the CPU the tensor is copied, as ``save_on_cpu`` copies it."""
+
+    def pack(tensor: torch.Tensor):
+        on_device = tensor.device.type != "cpu"
+        packed = torch.empty(
+            tensor.size(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            pin_memory=on_device and not tensor.is_sparse,
+        )
+        packed.copy_(tensor, non_blocking=on_device)
+        return tensor.device, packed
+
+    def unpack(saved) -> torch.Tensor:
+        device, packed = saved
+        return packed.to(device, non_blocking=packed.is_pinned())
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def packed_sequence_lengths(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Flash-attention's ``cu_seq_lens`` (int32, on the positions' device) and ``max_length`` of packed rows
+    run as one flat row: a sequence starts wherever the position is the rows' smallest (0 for our packing),
+    as ``transformers.modeling_flash_attention_utils.prepare_fa_kwargs_from_position_ids`` finds them. On a
+    device this waits for it once (``max_length`` is an int the kernels need); on host positions it does not
+    wait at all."""
+    flat = positions.reshape(-1)
+    starts = (flat == flat.min()).nonzero().view(-1).to(torch.int32)
+    cu = torch.cat([starts, starts.new_full((1,), flat.numel())])
+    return cu, int(cu.diff().max())
 
 
 def _is_flash(config) -> bool:

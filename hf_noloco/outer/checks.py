@@ -1,4 +1,6 @@
-"""The outer optimizer's checks (pure): a saved outer state against its optimizer; finite values."""
+"""The outer optimizer's checks (pure): a saved outer state against its optimizer; finite values, checked as
+they come (:func:`check_finite`: a host sync each) or folded into one device flag read once per outer step
+(:class:`DeviceChecks`), so that a GPU's buckets pipeline."""
 
 from __future__ import annotations
 
@@ -57,6 +59,63 @@ def check_finite(reductions: list[torch.Tensor], what: str, context: str) -> Non
     """Raises ``FloatingPointError`` if a reduction (a sum, a squared distance) of ``what`` is not finite."""
     for t in reductions:
         if not bool(torch.isfinite(t)):
-            raise FloatingPointError(
-                f"{context}: {what} contain NaN or inf; stopping rather than averaging them into a partner."
-            )
+            raise FloatingPointError(_not_finite(what, context))
+
+
+def _not_finite(what: str, context: str) -> str:
+    return f"{context}: {what} contain NaN or inf; stopping rather than averaging them into a partner."
+
+
+class DeviceChecks:
+    """An outer step's finite checks and sums, kept on the device until :meth:`read`, which reads them all at
+    once (one host sync per outer step instead of a few per bucket; on a GPU the buckets' exchanges and
+    arithmetic then queue behind each other without the host waiting in between).
+
+    :meth:`check` records whether reductions of one item are finite, :meth:`add` a value to a running sum
+    (the squared distances to the partners, for the divergence estimate); :meth:`read` raises
+    ``FloatingPointError`` naming the first item that was not finite, as :func:`check_finite` would have,
+    and returns the sums. What it checks must not have reached the weights before :meth:`read`: write the
+    update back only after it (the check comes later than with :func:`check_finite`, which raises before the
+    bucket's update)."""
+
+    def __init__(self):
+        self._finite: list[torch.Tensor] = []
+        self._what: list[str] = []  # the error of each check
+        self._on_device: dict[str, torch.Tensor] = {}
+        self._on_host: dict[str, float] = {}
+
+    def check(
+        self, reductions: list[torch.Tensor], what: str, context: str, message: str | None = None
+    ) -> None:
+        """Records whether every reduction (a sum, a squared distance) of ``what`` is finite; ``message``: the
+        error to raise if not (default: :func:`check_finite`'s)."""
+        if reductions:
+            self._finite.append(torch.stack([torch.isfinite(t.detach()).all() for t in reductions]).all())
+            self._what.append(message or _not_finite(what, context))
+
+    def add(self, name: str, value: torch.Tensor | float) -> None:
+        """Adds ``value`` (a 0-d tensor on the device, or a number) to the sum ``name``."""
+        self._on_host.setdefault(name, 0.0)
+        if torch.is_tensor(value):
+            value = value.detach().double()
+            before = self._on_device.get(name)
+            self._on_device[name] = value if before is None else before + value
+        else:
+            self._on_host[name] += value
+
+    def read(self) -> dict[str, float]:
+        """Reads every check and sum in one transfer; raises ``FloatingPointError`` for the first item that
+        was not finite; returns the sums as floats. The checks are cleared."""
+        names = list(self._on_device)
+        pieces = [f.double().reshape(1) for f in self._finite] + [
+            self._on_device[n].reshape(1) for n in names
+        ]
+        values = torch.cat(pieces).tolist() if pieces else []  # the outer step's one host sync
+        what, sums = self._what, dict(self._on_host)
+        self._finite, self._what, self._on_device, self._on_host = [], [], {}, {}
+        for fine, message in zip(values, what):
+            if not fine:
+                raise FloatingPointError(message)
+        for name, value in zip(names, values[len(what) :]):
+            sums[name] += value
+        return sums

@@ -97,11 +97,15 @@ def dequantize(packet: torch.Tensor, numel: int, fmt: str) -> torch.Tensor:
 def encode_with_feedback_(x: torch.Tensor, error: torch.Tensor, fmt: str) -> torch.Tensor:
     """The packet of ``x + error``; ``error`` (float32, ``x``'s shape) becomes what that packet left out.
 
-    After rounds ``t = 1..T`` from ``error = e_0``: ``sum_t D(packet_t) = sum_t x_t + e_0 - e_T``."""
-    y = x.to(torch.float32) + error.to(x.device)
+    After rounds ``t = 1..T`` from ``error = e_0``: ``sum_t D(packet_t) = sum_t x_t + e_0 - e_T``.
+
+    An offloaded ``error`` (pinned host memory, ``x`` on a GPU) is copied both ways without waiting, on the
+    current stream: its next reader is the next round's copy to the device, on the same stream, or the host
+    after the outer step's read of its checks, which waits for the stream."""
+    y = x.to(torch.float32) + error.to(x.device, non_blocking=True)
     packet = quantize(y, fmt)
     y.sub_(dequantize(packet, y.numel(), fmt))
-    error.copy_(y)
+    error.copy_(y, non_blocking=True)
     return packet
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_noloco.engine.buffers import consecutive_buckets
+from hf_noloco.engine.buffers import consecutive_buckets, state_zeros
 from hf_noloco.outer.compression import (
     dequantize,
     encode_with_feedback_,
@@ -36,7 +36,8 @@ class Wire:
         method: ``"noloco"`` or ``"diloco"``.
         sends_slow_weights: noloco with gamma != beta.
         numels: the values of each bucket.
-        device: where the error-feedback buffers live (the outer state's device).
+        device: where the error-feedback buffers live (the outer state's device; pinned when that is the host
+            of a GPU machine: :func:`~hf_noloco.engine.buffers.state_zeros`).
     """
 
     def __init__(
@@ -52,16 +53,19 @@ class Wire:
         else:
             self.streams = ("theta",)
         self.numels = list(numels)
-        # One row per quantity sent: each has its own rounding history.
+        # One row per quantity sent: each has its own rounding history. Pinned when offloaded (host memory of
+        # a GPU machine), like the slow weights beside them.
         self.error: list[torch.Tensor] = (
-            [torch.zeros(len(self.streams), n, device=device) for n in self.numels] if self.compressed else []
+            [state_zeros((len(self.streams), n), device) for n in self.numels] if self.compressed else []
         )
 
     def noloco_outgoing(self, b: int, theta: torch.Tensor, phi: torch.Tensor) -> list[torch.Tensor]:
         """Bucket ``b``'s messages to each partner, from our float32 fast and slow weights (on the device of
         ``theta``: quantization runs there). Our own ``theta`` stays exact; only the wire copies are rounded.
         """
-        phi = phi.to(theta.device)
+        # From pinned (offloaded) slow weights the copy is asynchronous; the host writes phi only after
+        # reading this outer step's results from the device, which waits for the copy (same stream).
+        phi = phi.to(theta.device, non_blocking=True)
         if not self.compressed:
             return [theta.to(self.cast) if s == "theta" else phi.to(self.cast) for s in self.streams]
         values = {"theta": lambda: theta, "delta": lambda: theta - phi, "phi": lambda: phi}
@@ -84,12 +88,15 @@ class Wire:
         """Per quantity sent, the mean over the group's decoded values, ``members`` in replica order."""
         return [group_sum_mean([m[k] for m in members]) for k in range(len(self.streams))]
 
-    def combine(self, b: int, members: list, own, check) -> tuple[list[torch.Tensor], list[float]]:
+    def combine(
+        self, b: int, members: list, own, check, lazy: bool = False
+    ) -> tuple[list[torch.Tensor], list[float] | list[torch.Tensor]]:
         """Decodes one bucket's messages of a whole gossip group, ``members`` = ``[(key, packets)]`` in
         replica order (``own`` the key of this replica's): the means over the group of each quantity sent
         (this replica entering with its own decoded values, like every other member), and the squared
         distances of the others' decoded fast weights to ours. ``check(key, values)`` sees every member's
-        decoded values first (the finite check)."""
+        decoded values first (the finite check). ``lazy``: the distances stay 0-d tensors on the device (no
+        host sync; :class:`~hf_noloco.outer.checks.DeviceChecks` reads them once per outer step)."""
         decoded = {}
         for key, packets in members:
             decoded[key] = self.decode(b, packets)
@@ -100,7 +107,8 @@ class Wire:
         for key, _ in members:
             if key != own:
                 diff = self.fast_weights(decoded[key]) - mine
-                sq_dists.append(torch.dot(diff, diff).item())
+                sq_dist = torch.dot(diff, diff)
+                sq_dists.append(sq_dist if lazy else sq_dist.item())
         return means, sq_dists
 
     def diloco_outgoing(self, b: int, pseudo: torch.Tensor) -> torch.Tensor:

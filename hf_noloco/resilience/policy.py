@@ -47,7 +47,7 @@ class ReplicaLossPolicy:
     def __init__(self, mesh: PipelineMesh, watch: PeerWatch, p2p_timeout: float):
         self.mesh, self.watch, self.p2p_timeout = mesh, watch, p2p_timeout
         if mesh.device.type == "cuda":  # stream waits never time out: the heartbeats find a lost peer
-            watch.watch_peers(silence_limit(p2p_timeout), lambda lost: mesh.abort())
+            watch.watch_peers(silence_limit(p2p_timeout), mesh.abort)  # every call then names the lost
 
     @property
     def offline(self) -> bool:
@@ -251,9 +251,10 @@ def replica_loss_policy(
     """The policy of ``on_replica_loss`` (``action``), with this rank's heartbeat started (and, ``joining``,
     this rank admitted into the live run)."""
     continuing = action == "continue"
-    # Under "continue" the heartbeat has a store connection of its own: making a process group blocks the
-    # shared one until every member arrives, which would silence the heartbeat meanwhile.
-    watch = PeerWatch(mesh.rank, mesh.world_size, own_connection=continuing, beating=not joining)
+    # The heartbeat has a store connection of its own: a store client runs one operation at a time, and
+    # making a process group, NCCL's lazy set-up of a communicator and the store-based barrier hold the shared
+    # one for seconds, which would silence the heartbeat meanwhile (and the watcher abort a healthy job).
+    watch = PeerWatch(mesh.rank, mesh.world_size, own_connection=True, beating=not joining)
     if continuing:
         return ContinueAfterReplicaLoss(mesh, watch, p2p_timeout, on_change, joining, admission_timeout)
     return ReplicaLossPolicy(mesh, watch, p2p_timeout)

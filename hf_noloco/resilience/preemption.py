@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from hf_noloco.engine.comm import peer_call, wait_collective
+from hf_noloco.engine.comm import Posted, post_collective, wait_collective
 from hf_noloco.engine.mesh import PipelineMesh
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Preemption(TrainerCallback):
         gloo = mesh.backend == "gloo"
         self._group = None if gloo or not enabled or mesh.world_size == 1 else dist.new_group(backend="gloo")
         self._signalled_at: float | None = None  # monotonic time of the first SIGTERM
-        self._pending: tuple[dist.Work, torch.Tensor, int] | None = None  # (work, flag, view) of this step
+        self._pending: tuple[Posted, torch.Tensor, int] | None = None  # (work, flag, view) of this step
         self._previous_handler = None
         self.stopped = False  # whether training stopped for a SIGTERM (a checkpoint was written)
 
@@ -84,9 +84,10 @@ class Preemption(TrainerCallback):
         flag = torch.tensor([0 if self._signalled_at is None else 1], dtype=torch.int32)
         what = f"{self.mesh.describe()}: all-reduce of the SIGTERM flags, step {step}"
 
-        def post() -> dist.Work:
-            with peer_call(what):
-                return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group(), async_op=True)
+        def post() -> Posted:  # waited for on the host, bounded: a gloo group, even in an NCCL run
+            return post_collective(
+                dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=self._flag_group(), what=what
+            )
 
         work = self.replica_loss.tolerate(what, post, lambda: None, step)
         if work is not None:

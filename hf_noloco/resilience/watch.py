@@ -23,9 +23,10 @@ from hf_noloco.engine.comm import PeerError, is_lost_peer
 class PeerWatch:
     """Tells, after a communication failure, which peers are gone, and keeps the job's first failure.
 
-    ``own_connection``: talk to the store over a connection of its own. A store client runs one operation at a
-    time, and making a process group blocks it until every member has arrived, which would silence the
-    heartbeat meanwhile (``on_replica_loss="continue"`` then mistakes a rank making a group for a lost one).
+    ``own_connection``: talk to the store (``store``, or the default group's) over a connection of its own. A
+    store client runs one operation at a time, and making a process group, NCCL's lazy set-up of a
+    communicator and the store-based barrier's ``store.wait`` hold it for seconds, which would silence the
+    heartbeat meanwhile (and a watcher would take a rank that is only making a group for a lost one).
 
     A gloo/NCCL collective that fails says only that "a connection closed" or "timed out", not which rank was
     lost. So each rank stamps a counter in the rendezvous store every ``interval`` seconds from a daemon
@@ -60,16 +61,16 @@ class PeerWatch:
         self._stop = threading.Event()
         self.lost: list[int] = []  # peers the watcher found silent (see watch_peers)
         self.store = store
-        if store is None:
-            try:
+        try:
+            if store is None:
                 from torch.distributed.distributed_c10d import _get_default_store
 
                 self.store = _get_default_store()
-                if own_connection:
-                    self.store = _second_connection(self.store)
-            except Exception:  # noqa: BLE001 - no store (e.g. a custom init): no diagnosis, plain errors
-                self.store = None
-                return
+            if own_connection:
+                self.store = _second_connection(self.store)
+        except Exception:  # noqa: BLE001 - no store (e.g. a custom init): no diagnosis, plain errors
+            self.store = None
+            return
         self._thread = threading.Thread(target=self._beat, name="hf_noloco-heartbeat", daemon=True)
         if beating:
             self._thread.start()

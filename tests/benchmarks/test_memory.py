@@ -181,5 +181,9 @@ def test_gpu_memory_check_runs_on_cpu_in_quick_mode():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["tiny-pp1-bf16-ckpt", "tiny-pp2-s1-fp32-outer"]
+    assert [line.split(":")[0] for line in lines] == [
+        "tiny-pp1-bf16-ckpt",
+        "tiny-pp2-s1-fp32-outer",
+        "tiny-pp2-s1-fp32-zbh1",  # zb-h1's stage: its deferred weight gradients hold more
+    ]
     assert all("tokens/s" in line for line in lines)

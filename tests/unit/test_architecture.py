@@ -167,6 +167,13 @@ LIBRARY_INTERNALS = {
     ("engine/mesh.py", "dist.distributed_c10d._get_default_store"): "the rendezvous store (groups by name)",
     ("engine/mesh.py", "dist.distributed_c10d._world"): "torch's registry of groups (kept after an abort)",
     ("engine/mesh.py", "dist.distributed_c10d._set_pg_timeout"): "a group's timeout, changed once it is made",
+    (
+        "engine/mesh.py",
+        "dist.group.WORLD._get_backend",
+    ): "the default group's NCCL backend (to abort in one group)",
+    ("engine/mesh.py", "nccl._group_start"): "aborts of every communicator inside one NCCL group",
+    ("engine/mesh.py", "nccl._group_end"): "aborts of every communicator inside one NCCL group",
+    ("engine/comm.py", "pg._get_backend"): "which backend moves a device's tensors in a group (NCCL or gloo)",
     ("engine/split_backward.py", "n._sequence_nr"): "autograd's order of nodes (the weight gradients' order)",
     ("engine/fidelity.py", "meta.config._attn_implementation"): "the attention kernel transformers picked",
     ("engine/loading.py", "p._is_hf_initialized"): "transformers' flag: loaded, not initialised",
