@@ -58,6 +58,8 @@ class ReplicaLoaders:
             use_seedable_sampler=training,
             data_seed=args.data_seed or args.seed,
             even_batches=training,
+            # from pinned memory, the copy to the GPU need not block the host (once a step)
+            non_blocking=args.dataloader_pin_memory and self.mesh.device.type == "cuda",
         )
 
     def _stream_loader(self, stream: TokenStream, batch_size: int, training: bool) -> DataLoader:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from hf_noloco.engine.buffers import flatten, unflatten_into
-from hf_noloco.engine.comm import wait_collective
+from hf_noloco.engine.comm import post_collective, wait_collective
 from hf_noloco.outer.algorithm import OuterAlgorithm
 from hf_noloco.outer.state import nbytes
 from hf_noloco.outer.wire import ring_allreduce_bytes
@@ -33,12 +33,9 @@ class DataParallel(NoSync):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             dtypes = {g.dtype for g in grads}
             flat = flatten(grads, dtypes.pop() if len(dtypes) == 1 else torch.float32)
-            work = dist.all_reduce(flat, group=mesh.replica_group, async_op=True)
-            wait_collective(
-                work,
-                self.p2p_timeout,
-                f"ddp gradient all-reduce over the replicas of stage {mesh.stage} ({mesh.describe()})",
-            )
+            what = f"ddp gradient all-reduce over the replicas of stage {mesh.stage} ({mesh.describe()})"
+            work = post_collective(dist.all_reduce, flat, group=mesh.replica_group, what=what)
+            wait_collective(work, self.p2p_timeout, what)
             unflatten_into(grads, flat.div_(n))  # the zeros standing in for missing gradients are dropped
             traffic = ring_allreduce_bytes(nbytes(flat), n)
             state.bytes_sent += traffic

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hf_noloco.engine.comm import exchange, wait_collective, wait_sends
+from hf_noloco.engine.comm import exchange, post_collective, wait_collective, wait_sends
 from hf_noloco.outer.algorithm import OuterAlgorithm
+from hf_noloco.outer.checks import DeviceChecks
 from hf_noloco.outer.gossip import diloco_update_
 from hf_noloco.outer.state import InFlight, nbytes
 from hf_noloco.outer.wire import ring_allreduce_bytes
@@ -23,7 +24,7 @@ class DiLoCoFlight(InFlight):
 
     works: list[dist.Work] = field(default_factory=list)
     pseudo: list = field(default_factory=list)  # per bucket: reduced in place, or gathered packets
-    own_finite: list[bool] = field(default_factory=list)
+    own_sums: list[torch.Tensor] = field(default_factory=list)  # per bucket: the own pseudo-gradient's sum
 
 
 class DiLoCoAllReduce(OuterAlgorithm):
@@ -36,56 +37,63 @@ class DiLoCoAllReduce(OuterAlgorithm):
             f"{self.mesh.stage}"
         )
 
-    def _pseudo(self, b: int, theta: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Bucket ``b``'s pseudo-gradient ``theta - phi`` on the wire, and whether it is finite."""
-        pseudo = theta - self.state.phi_flat[b].to(theta.device)
-        finite = bool(torch.isfinite(pseudo.sum()))  # a NaN/inf anywhere makes the sum non-finite
-        return self.state.wire.diloco_outgoing(b, pseudo), finite
+    def _pseudo(self, b: int, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``b``'s pseudo-gradient ``theta - phi`` on the wire, and its sum (a NaN/inf anywhere makes
+        it non-finite; checked once the collective is done)."""
+        pseudo = theta - self.state.phi_flat[b].to(theta.device, non_blocking=True)
+        return self.state.wire.diloco_outgoing(b, pseudo), pseudo.sum()
 
-    def _collective(self, pseudo: torch.Tensor, group) -> tuple[dist.Work | None, object]:
+    def _collective(self, pseudo: torch.Tensor, group, what: str):
         """Posts one bucket's collective: ``(work, what _combine_bucket takes)``. A float pseudo-gradient is
         all-reduced in place; packets are all-gathered and summed after decoding. One replica: none."""
         n = self.mesh.num_replicas
         if not self.state.wire.compressed:
-            return (dist.all_reduce(pseudo, group=group, async_op=True) if n > 1 else None), pseudo
+            work = post_collective(dist.all_reduce, pseudo, group=group, what=what) if n > 1 else None
+            return work, pseudo
         if n == 1:
             return None, [pseudo]
         gathered = [torch.empty_like(pseudo) for _ in range(n)]
-        return dist.all_gather(gathered, pseudo, group=group, async_op=True), gathered
+        return post_collective(dist.all_gather, gathered, pseudo, group=group, what=what), gathered
 
     def step(self, step: int) -> None:
         state, mesh, what = self.state, self.mesh, self._what()
+        checks = DeviceChecks()
         for b in range(len(state.buckets)):
             theta = state.theta(b)
-            pseudo, own_finite = self._pseudo(b, theta)
-            work, result = self._collective(pseudo, mesh.replica_group)
+            pseudo, own_sum = self._pseudo(b, theta)
+            work, result = self._collective(pseudo, mesh.replica_group, f"{what} ({mesh.describe()})")
             if work is not None:
                 wait_collective(work, self.p2p_timeout, f"{what} ({mesh.describe()})")
-            self._combine_bucket(b, result, own_finite, what)
-            state.set_weights(b, state.phi_flat[b].to(theta.device))
+            self._combine_bucket(b, result, own_sum, what, checks)
+        state.write_back(list(range(len(state.buckets))), checks)
 
     def start(self, apply_at: int) -> DiLoCoFlight:
         state, context = self.state, self._what(overlapped=True)
         flight = DiLoCoFlight(apply_at, [], context)
+        where = f"{context} ({self.mesh.describe()})"
         for b in range(len(state.buckets)):
             theta = state.theta(b)
-            pseudo, own_finite = self._pseudo(b, theta)
-            work, result = self._collective(pseudo, self.background_group)
+            pseudo, own_sum = self._pseudo(b, theta)
+            work, result = self._collective(pseudo, self.background_group, where)
             flight.theta.append(theta)
             flight.pseudo.append(result)
-            flight.own_finite.append(own_finite)
+            flight.own_sums.append(own_sum)
             if work is not None:
                 flight.works.append(work)
         if self.mesh.num_replicas == 1:
+            checks = DeviceChecks()
             for b, pseudo in enumerate(flight.pseudo):
-                self._combine_bucket(b, pseudo, flight.own_finite[b], context)
+                self._combine_bucket(b, pseudo, flight.own_sums[b], context, checks)
+            checks.read()
             flight.pseudo, flight.combined = [], True
         return flight
 
     def combine(self, flight: DiLoCoFlight) -> None:
+        checks = DeviceChecks()
         for b, work in enumerate(flight.works):
             wait_collective(work, self.p2p_timeout, f"{flight.context} ({self.mesh.describe()})")
-            self._combine_bucket(b, flight.pseudo[b], flight.own_finite[b], flight.context)
+            self._combine_bucket(b, flight.pseudo[b], flight.own_sums[b], flight.context, checks)
+        checks.read()  # the outer step's one host sync
         flight.works, flight.pseudo = [], []
         flight.combined = True
 
@@ -93,9 +101,10 @@ class DiLoCoAllReduce(OuterAlgorithm):
         for work in getattr(flight, "works", []):
             wait_collective(work, self.p2p_timeout, flight.context)
 
-    def _combine_bucket(self, b: int, pseudo, own_finite: bool, what: str) -> None:
+    def _combine_bucket(self, b: int, pseudo, own_sum: torch.Tensor, what: str, checks: DeviceChecks) -> None:
         """Folds bucket ``b``'s all-reduced pseudo-gradient sum (or its all-gathered packets) into phi and
-        delta."""
+        delta; its finite checks go to ``checks`` (read after the collective, so that no replica is left
+        waiting for one that gave up)."""
         state, mesh, n = self.state, self.mesh, self.mesh.num_replicas
         wire = state.wire
         if n > 1:
@@ -106,20 +115,18 @@ class DiLoCoAllReduce(OuterAlgorithm):
                 traffic = ring_allreduce_bytes(nbytes(pseudo), n)
             state.bytes_sent += traffic
             state.bytes_received += traffic
-        # Check after the collective, so that no replica is left waiting for one that gave up.
-        if not own_finite:
-            raise FloatingPointError(
-                f"{what}: this replica's own weights ({mesh.describe()}) are not finite."
-            )
+        own = f"{what}: this replica's own weights ({mesh.describe()}) are not finite."
+        checks.check([own_sum], "this replica's own weights", what, message=own)
         mean = wire.diloco_mean(b, pseudo) if wire.compressed else pseudo.float().div_(n)
-        if not bool(torch.isfinite(mean.sum())):
-            raise FloatingPointError(
-                f"{what}: the averaged pseudo-gradient is not finite: another replica of "
-                f"stage {mesh.stage} sent NaN/inf weights ({mesh.describe()})."
-            )
-        mean = mean.to(state.phi_flat[b].device)
+        averaged = (
+            f"{what}: the averaged pseudo-gradient is not finite: another replica of "
+            f"stage {mesh.stage} sent NaN/inf weights ({mesh.describe()})."
+        )
+        checks.check([mean.sum()], "the averaged pseudo-gradient", what, message=averaged)
+        phi, delta = state.state_on(b, mean.device)
         s = self.settings
-        diloco_update_(state.phi_flat[b], state.delta_flat[b], mean, s.outer_momentum, s.outer_lr)
+        diloco_update_(phi, delta, mean, s.outer_momentum, s.outer_lr)
+        state.store(b, phi, delta)
 
     def after_update(self) -> None:
         """The first stage's tied copy's phi and delta replace the mirror's (see ``tied_peer``), and the
@@ -129,7 +136,8 @@ class DiLoCoAllReduce(OuterAlgorithm):
         if b is None or state.tied_peer is None:
             return
         device = state.params[state.buckets[b][0]].device
-        phi, delta = state.phi_flat[b].to(device), state.delta_flat[b].to(device)
+        phi = state.phi_flat[b].to(device, non_blocking=True)
+        delta = state.delta_flat[b].to(device, non_blocking=True)
         context = f"{self.mesh.describe()}: the tied copy's DiLoCo state"
         peer = state.tied_peer
         mine = [] if state.tied_mirror else [(phi, peer), (delta, peer)]
@@ -138,6 +146,6 @@ class DiLoCoAllReduce(OuterAlgorithm):
         pending = exchange(mine, theirs, self.p2p_timeout, mesh.describe_rank, context, mesh.world_group)
         wait_sends(pending, self.p2p_timeout, context)
         if state.tied_mirror:
-            state.phi_flat[b].copy_(phi)
-            state.delta_flat[b].copy_(delta)
+            state.phi_flat[b].copy_(phi, non_blocking=True)  # read on the host only after settle()
+            state.delta_flat[b].copy_(delta, non_blocking=True)
             state.set_weights(b, phi)

@@ -13,7 +13,7 @@ import torch
 
 from hf_noloco.engine.comm import PeerError, PendingExchange, exchange, wait_sends
 from hf_noloco.outer.algorithm import OuterAlgorithm
-from hf_noloco.outer.checks import check_finite
+from hf_noloco.outer.checks import DeviceChecks
 from hf_noloco.outer.gossip import (
     divergence_from_partners,
     group_of,
@@ -63,9 +63,10 @@ class NoLoCoExchange(OuterAlgorithm):
         state, mesh = self.state, self.mesh
         peers, groups = self._peers()
         context = f"NoLoCo outer step {state.outer_step_count} of {mesh.describe()}"
-        sq_dist = 0.0
+        checks, combined = DeviceChecks(), []  # read once, in write_back: the outer step's one host sync
         for b in range(len(state.buckets)):
             if self.replica_loss is not None and self.replica_loss.offline:
+                state.write_back(combined, checks)
                 state.skipped_outer_steps += 1  # no averaging while the live replicas change
                 return
             theta = state.theta(b)
@@ -85,16 +86,18 @@ class NoLoCoExchange(OuterAlgorithm):
             except PeerError as exc:
                 if self.replica_loss is None:
                     raise
-                # The buckets not yet averaged keep this replica's weights for this outer step: its progress
-                # is carried to the next one.
+                # The buckets averaged before the loss take their update; the others keep this replica's
+                # weights for this outer step: its progress is carried to the next one.
+                state.write_back(combined, checks)
                 self.replica_loss.lost_partner(exc, step)
                 state.skipped_outer_steps += 1
                 return
-            sq_dist += self._combine_bucket(b, theta, outgoing, incoming, peers, context)
-            state.set_weights(b, state.phi_flat[b].to(theta.device))  # theta <- phi
+            self._combine_bucket(b, theta, outgoing, incoming, peers, context, checks)
+            combined.append(b)
+        sums = state.write_back(combined, checks)  # theta <- phi
         state.last_groups = groups
         state.last_divergence_estimate = divergence_from_partners(
-            sq_dist, len(peers), state.numel, mesh.num_replicas
+            sums.get("sq_dist", 0.0), len(peers), state.numel, mesh.num_replicas
         )
 
     def start(self, apply_at: int) -> NoLoCoFlight:
@@ -117,13 +120,20 @@ class NoLoCoExchange(OuterAlgorithm):
 
     def combine(self, flight: NoLoCoFlight) -> None:
         flight.exchange.wait(self.p2p_timeout, flight.context)
-        sq_dist = 0.0
+        checks = DeviceChecks()
         for b in range(len(self.state.buckets)):
-            sq_dist += self._combine_bucket(
-                b, flight.theta[b], flight.outgoing[b], flight.incoming[b], flight.peers, flight.context
+            self._combine_bucket(
+                b,
+                flight.theta[b],
+                flight.outgoing[b],
+                flight.incoming[b],
+                flight.peers,
+                flight.context,
+                checks,
             )
+        sums = checks.read()  # the outer step's one host sync
         self.state.last_divergence_estimate = divergence_from_partners(
-            sq_dist, len(flight.peers), self.state.numel, self.mesh.num_replicas
+            sums.get("sq_dist", 0.0), len(flight.peers), self.state.numel, self.mesh.num_replicas
         )
         flight.outgoing, flight.incoming = [], []
         flight.combined = True
@@ -140,58 +150,50 @@ class NoLoCoExchange(OuterAlgorithm):
         incoming: list[list[torch.Tensor]],
         peers: list[int],
         context: str,
-    ) -> float:
-        """Folds bucket ``b``'s exchange into phi and delta; returns the squared distance to the partners (0
-        for the tied mirror's bucket, which the other stage counts).
+        checks: DeviceChecks,
+    ) -> None:
+        """Folds bucket ``b``'s exchange into phi and delta, and gives ``checks`` its finite checks and its
+        squared distance to the partners (none for the tied mirror's bucket, which the other stage counts).
         ``theta`` (our float32 fast weights) and the receive buffers are used as scratch space."""
         state, mesh, s = self.state, self.mesh, self.settings
         group_n = len(peers) + 1
         state.bytes_sent += sum(nbytes(t) for t in outgoing) * len(peers)
         state.bytes_received += sum(nbytes(t) for bufs in incoming for t in bufs)
         if state.wire.compressed:
-            return self._combine_decoded(b, outgoing, incoming, peers, context)
+            self._combine_decoded(b, outgoing, incoming, peers, context, checks)
+            return
         # Finite checks ride on reductions we need anyway (one pass each, no temporaries): a NaN or inf
         # anywhere makes the sum, or the squared distance to a partner, non-finite.
-        check_finite([t.sum() for t in outgoing], "this replica's own weights", context)
+        checks.check([t.sum() for t in outgoing], "this replica's own weights", context)
         # mean_G theta = theta + (1/n) sum_j (theta_j - theta): computed in place, in the receive buffers
         # and our flat copy of theta (which becomes the mean), with the distances for the estimate.
-        sq_dist = 0.0
         diffs = []
         for peer, bufs in zip(peers, incoming):
             diff = bufs[0].float().sub_(theta)  # in place when fp32 (.float() is then a no-op)
             dist_sq = torch.dot(diff, diff)
-            check_finite(
+            checks.check(
                 [dist_sq] + [t.sum() for t in bufs[1:]],
                 f"the weights received from {mesh.describe_rank(peer)}",
                 context,
             )
             if b != state.uncounted_bucket:  # the tied copy counted on the other stage
-                sq_dist += dist_sq.item()
+                checks.add("sq_dist", dist_sq)
             diffs.append(diff)
         theta_mean = theta
         for diff in diffs:
             theta_mean.add_(diff, alpha=1.0 / group_n)
         del diffs
-        phi_flat = state.phi_flat[b]
+        phi, delta = state.state_on(b, theta.device)
         phi_mean = None
         if s.sends_slow_weights:
-            phi_mean = phi_flat.to(theta.device, copy=True)
+            phi_mean = phi.clone()
             for bufs in incoming:
                 phi_mean += bufs[1].float()
             phi_mean /= group_n
-            phi_mean = phi_mean.to(phi_flat.device)
-        noloco_update_(
-            phi_flat,
-            state.delta_flat[b],
-            theta_mean.to(phi_flat.device),
-            s.outer_momentum,
-            s.outer_lr,
-            s.outer_averaging,
-            phi_mean,
-        )
-        return sq_dist
+        noloco_update_(phi, delta, theta_mean, s.outer_momentum, s.outer_lr, s.outer_averaging, phi_mean)
+        state.store(b, phi, delta)
 
-    def _combine_decoded(self, b, outgoing, incoming, peers, context) -> float:
+    def _combine_decoded(self, b, outgoing, incoming, peers, context, checks: DeviceChecks) -> None:
         """:meth:`_combine_bucket` for a block-scaled ``outer_dtype``: every member of the group, this replica
         included, enters the means with its *decoded* values, summed in replica order, so all members pull
         towards bit-identical means (docs/compressed-gossip.md)."""
@@ -201,14 +203,15 @@ class NoLoCoExchange(OuterAlgorithm):
         def check(rank, values):
             who = "this replica's own weights" if rank == mesh.rank else None
             who = who or f"the weights received from {mesh.describe_rank(rank)}"
-            check_finite([v.sum() for v in values], who, context)
+            checks.check([v.sum() for v in values], who, context)
 
-        means, sq_dists = state.wire.combine(b, members, mesh.rank, check)
-        sq_dist = sum(sq_dists) if b != state.uncounted_bucket else 0.0
-        phi, delta = state.phi_flat[b], state.delta_flat[b]
-        means = [m.to(phi.device) for m in means]
+        means, sq_dists = state.wire.combine(b, members, mesh.rank, check, lazy=True)
+        if b != state.uncounted_bucket:
+            for sq_dist in sq_dists:
+                checks.add("sq_dist", sq_dist)
+        phi, delta = state.state_on(b, means[0].device)
         if len(means) == 1:  # theta only (gamma == beta)
             noloco_update_(phi, delta, means[0], s.outer_momentum, s.outer_lr, s.outer_averaging)
         else:  # Delta and phi
             noloco_update_parts_(phi, delta, *means, s.outer_momentum, s.outer_lr, s.outer_averaging)
-        return sq_dist
+        state.store(b, phi, delta)

@@ -223,7 +223,7 @@ class OuterOptimizer(torch.optim.Optimizer):
             self.algorithm.combine(flight)
         self.algorithm.after_update()
         for b, local in enumerate(progress):
-            outer.set_weights(b, local.add_(outer.phi_flat[b].to(local.device)))
+            outer.set_weights(b, local.add_(outer.phi_flat[b].to(local.device, non_blocking=True)))
         self._in_flight = None
         self.just_synced = True
 
@@ -239,6 +239,7 @@ class OuterOptimizer(torch.optim.Optimizer):
         flight, self._in_flight = self._in_flight, None
         if flight is not None and not flight.combined:
             self.algorithm.drop(flight)
+        self.outer_state.settle()
         with torch.no_grad():
             self.outer_state.reset()
 
@@ -258,6 +259,7 @@ class OuterOptimizer(torch.optim.Optimizer):
                 sent = [t.clone() for t in flight.theta]
                 self.algorithm.combine(flight)
                 flight.theta = sent
+        outer.settle()
         state = dict(self.inner.state_dict())
         state["outer"] = {
             "method": self.method,
@@ -285,6 +287,7 @@ class OuterOptimizer(torch.optim.Optimizer):
         errors = outer.error_views()
         check_saved_outer(saved, self.method, outer.phi, outer.delta, errors, len(outer.params))
         saved_errors = saved.get("error_feedback") or []
+        outer.settle()
         self.inner.load_state_dict(state_dict)
         with torch.no_grad():
             for value, mine in zip(saved["phi"] + saved["delta"], outer.phi + outer.delta):

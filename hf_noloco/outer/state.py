@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_noloco.engine.buffers import flatten, unflatten_into
+from hf_noloco.engine.buffers import flatten, unflatten_into, zeros_beside
+from hf_noloco.outer.checks import DeviceChecks
 from hf_noloco.outer.settings import OuterSettings
 from hf_noloco.outer.wire import Wire, buckets_isolating, flat_views
 
@@ -103,7 +104,7 @@ class OuterState:
             tensors = self.bucket_params(b)
             phi = flatten(tensors, torch.float32).to(device)
             phi = phi.pin_memory() if pin else phi
-            delta = torch.zeros_like(phi)
+            delta = zeros_beside(phi)  # pinned like phi (zeros_like would not be)
             self.phi_flat.append(phi)
             self.delta_flat.append(delta)
             self.phi += flat_views(phi, tensors)
@@ -127,6 +128,36 @@ class OuterState:
     def set_weights(self, b: int, flat: torch.Tensor) -> None:
         """Bucket ``b``'s parameters <- ``flat``."""
         unflatten_into(self.bucket_params(b), flat)
+
+    def state_on(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``b``'s phi and delta where its update runs (the weights' device), copied there without
+        waiting from pinned memory when offloaded."""
+        phi, delta = self.phi_flat[b], self.delta_flat[b]
+        if phi.device == device:
+            return phi, delta
+        return phi.to(device, non_blocking=True), delta.to(device, non_blocking=True)
+
+    def store(self, b: int, phi: torch.Tensor, delta: torch.Tensor) -> None:
+        """Bucket ``b``'s updated phi and delta into the offloaded state without waiting (the host reads it
+        only after :meth:`settle`)."""
+        if phi is not self.phi_flat[b]:
+            self.phi_flat[b].copy_(phi, non_blocking=True)
+            self.delta_flat[b].copy_(delta, non_blocking=True)
+
+    def settle(self) -> None:
+        """Waits for the offloaded state's copies from the GPU before the host reads or writes it."""
+        device = self.params[0].device
+        if device.type == "cuda" and self.phi_flat and self.phi_flat[0].device.type == "cpu":
+            torch.cuda.current_stream(device).synchronize()
+
+    def write_back(self, buckets: list[int], checks: DeviceChecks) -> dict[str, float]:
+        """Reads an outer step's checks (its one host sync: a non-finite value raises here, before any weight
+        changed), then ``theta <- phi`` for ``buckets``; returns the checks' sums."""
+        sums = checks.read()
+        for b in buckets:
+            params = self.bucket_params(b)
+            self.set_weights(b, self.phi_flat[b].to(params[0].device, non_blocking=True))
+        return sums
 
     def error_views(self) -> list[torch.Tensor]:
         """The error-feedback buffers, one ``(quantities, *shape)`` view per parameter (empty: none)."""

@@ -79,16 +79,11 @@ def _outer_step_syncs(method: str, outer_dtype: str):
                 syncs.counts.clear()
                 with syncs:
                     outer.step()
-        assert len(outer._buckets) == buckets
+        assert len(outer.outer_state.buckets) == buckets
         counts[buckets] = syncs.by_site()
     return counts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="outer/optimizer.py still syncs per bucket (finite checks, distances, the state's copies); the "
-    "change it needs is in the issue-35 note (outer.checks.DeviceChecks, Wire.combine(lazy=True))",
-)
 @pytest.mark.parametrize(
     "method, outer_dtype", [("noloco", "float32"), ("noloco", "int8"), ("diloco", "float32")]
 )
