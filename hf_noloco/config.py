@@ -26,6 +26,7 @@ from hf_noloco.resilience.joining import is_joining, join_live_run
 from hf_noloco.rules import (
     EXPORT_DTYPES,
     HUB_STRATEGIES,
+    LOSS_TYPES,
     MASTER_WEIGHTS,
     NONFINITE_ACTIONS,
     PIPELINE_SCHEDULES,
@@ -35,6 +36,7 @@ from hf_noloco.rules import (
     STAGE_BALANCES,
     ExportDtype,
     HubStrategyName,
+    LossType,
     MasterWeights,
     NonfiniteAction,
     PipelineSchedule,
@@ -243,6 +245,15 @@ class NoLoCoConfig(OuterSettings, TrainingArguments):
             Compile each decoder layer of the stage with `torch.compile` (`torch_compile_backend`, default
             inductor, and `torch_compile_mode`). Measured on 1 CPU thread (benchmarks/torch_compile.py): 12%
             shorter steps, after 50-100 s of compiling per process.
+        activation_offloading (`bool`, *optional*, defaults to `False`):
+            Keep what each stage's training forward saves for its backward in host memory (TRL's option):
+            copied into pinned memory without blocking the host, and back for the backward. Saves the
+            accelerator the activations' memory for two copies over the host link per microbatch.
+        loss_type (`str`, *optional*, defaults to `"nll"`):
+            The last stage's loss (TRL's option): `"nll"`, the next-token cross-entropy, or `"dft"` (dynamic
+            fine-tuning: each token's cross-entropy weighted by its predicted probability, held constant).
+            `"chunked_nll"`, TRL's deprecated name of `"nll"`, is taken as it. The start-up proof compares the
+            stages with Hugging Face's own loss, `"nll"`'s.
         loss_chunk_tokens (`int` or `None`, *optional*, defaults to `1024`):
             The last stage scores a microbatch's positions this many at a time and recomputes each chunk's
             logits in the backward pass, so it never holds the full float32 logits (rows x tokens x vocabulary
@@ -319,6 +330,8 @@ class NoLoCoConfig(OuterSettings, TrainingArguments):
     master_weights: MasterWeights = "float32"
     # Redeclared to carry this class's --help (TrainingArguments': nargs="?" makes a bare flag mean True).
     activation_checkpointing: bool | None = field(default=None, metadata={"nargs": "?", "const": True})
+    activation_offloading: bool = False
+    loss_type: LossType = "nll"
     loss_chunk_tokens: int | None = 1024
     divergence_steps: int | None = None
     peak_tflops: float | None = None
@@ -409,6 +422,9 @@ def check_config(c, joining: bool = False) -> None:
     if c.routing_group_size is not None:  # the launch-dependent checks come with the mesh shape, below
         routing_group_size(c.routing_domain, c.routing_group_size, c.routing_group_size, 1)
     check_choice("pipeline_schedule", c.pipeline_schedule, PIPELINE_SCHEDULES)
+    check_choice("loss_type", c.loss_type, LOSS_TYPES)
+    if c.loss_type == "chunked_nll":  # TRL's deprecated name of nll
+        c.loss_type = "nll"
     check_choice("stage_balance", c.stage_balance, STAGE_BALANCES)
     check_choice("nonfinite", c.nonfinite, NONFINITE_ACTIONS)
     check_choice("master_weights", c.master_weights, MASTER_WEIGHTS)

@@ -23,6 +23,9 @@ from typing import Literal, get_args
 Routing = Literal["sample", "step", "fixed"]
 RoutingDomain = Literal["global", "node"]
 PipelineSchedule = Literal["1f1b", "gpipe", "zb-h1"]
+# The last stage's loss (TRL's loss_type): cross-entropy, or each token's weighted by its probability (DFT);
+# chunked_nll is TRL's deprecated name of nll.
+LossType = Literal["nll", "dft", "chunked_nll"]
 StageBalance = Literal["layers", "compute"]
 OuterMethod = Literal["noloco", "diloco", "ddp", "local"]
 OuterDtype = Literal["float32", "bfloat16", "int8", "float8_e4m3", "int4"]
@@ -42,6 +45,7 @@ HubStrategyName = Literal["end", "every_save", "checkpoint", "all_checkpoints"]
 ROUTINGS: tuple[str, ...] = get_args(Routing)
 ROUTING_DOMAINS: tuple[str, ...] = get_args(RoutingDomain)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 STAGE_BALANCES: tuple[str, ...] = get_args(StageBalance)
 OUTER_METHODS: tuple[str, ...] = get_args(OuterMethod)
 OUTER_DTYPES: tuple[str, ...] = get_args(OuterDtype)

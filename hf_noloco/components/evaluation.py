@@ -10,10 +10,11 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from hf_noloco.components.metrics import perplexity
+from hf_noloco.components.metrics import perplexity, prediction_entries
 from hf_noloco.components.training_logs import TrainingLogs
 from hf_noloco.config import NoLoCoConfig
 from hf_noloco.engine.comm import collective
+from hf_noloco.engine.losses import TOKEN_STATS
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.pipeline import PipelineEngine
 from hf_noloco.engine.stage import PipelineStage
@@ -22,29 +23,32 @@ from hf_noloco.resilience.policy import ReplicaLossPolicy
 
 def pooled_eval_loss(
     engine: PipelineEngine, mesh: PipelineMesh, batches: Iterable[dict], on_batch: Callable[[], None]
-) -> tuple[float, int]:
-    """``(summed token cross-entropy, target tokens)`` of ``batches`` through this replica column, summed over
+) -> list[float]:
+    """``[summed token cross-entropy, target tokens, right predictions, summed entropy]`` of ``batches``
+    through this replica column (:meth:`~hf_noloco.engine.pipeline.PipelineEngine.eval_totals`), summed over
     the live replicas (collective); ``on_batch`` is called after each batch (the progress bar)."""
-    totals = torch.zeros(2, dtype=torch.float64, device=mesh.device)
+    totals = torch.zeros(2 + TOKEN_STATS, dtype=torch.float64, device=mesh.device)
     for batch in batches:
-        loss_sum, tokens = engine.eval_step(batch)
-        totals += torch.tensor([loss_sum, tokens], dtype=torch.float64, device=totals.device)
+        totals += engine.eval_totals(batch).to(totals.device)
         on_batch()
     if mesh.num_live_replicas > 1:
         what = f"{mesh.describe()}: all-reduce of the evaluation loss"
         collective(dist.all_reduce, totals, group=mesh.replica_group, timeout=mesh.timeout, what=what)
-    loss_sum, tokens = totals.tolist()
-    return loss_sum, int(tokens)
+    return totals.tolist()
 
 
-def evaluation_metrics(prefix: str, loss_sum: float, tokens: int, seconds: float) -> dict[str, float]:
-    """The evaluation's log entries: the mean loss, the perplexity, the tokens and the time."""
-    return {
+def evaluation_metrics(prefix: str, totals: list[float], seconds: float) -> dict[str, float]:
+    """The evaluation's log entries from :func:`pooled_eval_loss`'s totals: the mean loss, the perplexity, the
+    tokens, TRL's ``mean_token_accuracy`` and ``entropy``, and the time."""
+    loss_sum, tokens, right, entropy = totals
+    metrics = {
         f"{prefix}_loss": loss_sum / max(tokens, 1),
         f"{prefix}_perplexity": perplexity(loss_sum, max(tokens, 1)),
         f"{prefix}_tokens": int(tokens),
-        f"{prefix}_runtime": seconds,
     }
+    metrics.update(prediction_entries(right, entropy, tokens, f"{prefix}_"))
+    metrics[f"{prefix}_runtime"] = seconds
+    return metrics
 
 
 class Evaluation:
@@ -88,8 +92,8 @@ class Evaluation:
                 policy.barrier()  # every live rank evaluates in the same view
             self.stage.eval()
             start = time.monotonic()
-            loss_sum, tokens = pooled_eval_loss(self.engine, self.mesh, batches, on_batch)
-            metrics = evaluation_metrics(prefix, loss_sum, tokens, time.monotonic() - start)
+            totals = pooled_eval_loss(self.engine, self.mesh, batches, on_batch)
+            metrics = evaluation_metrics(prefix, totals, time.monotonic() - start)
             if self.args.divergence_steps is None:
                 metrics.update(self.logs.divergence())
             self.stage.train()

@@ -219,6 +219,7 @@ class Exporter:
             settings=self.record.settings(),
             final_perplexity=last("eval_perplexity"),
             replica_divergence=last("replica_divergence"),
+            mean_token_accuracy=last("eval_mean_token_accuracy"),
             tokens_seen=self.throughput.tokens_seen,
             plot_file=plot,
             repo_id=self.repo_id,

@@ -190,6 +190,48 @@ class Throughput:
         return entries
 
 
+class PredictionStats:
+    """The last stage's right predictions, summed entropy and target tokens since the last log, as TRL's
+    ``mean_token_accuracy`` and ``entropy`` (from the logits the loss computes anyway:
+    :func:`~hf_noloco.engine.losses.next_token_losses`), kept in a tensor beside the batch until
+    :meth:`log_entries` sums it over the live ranks (no wait for the device per step).
+
+    Args:
+        counts: this rank counts (a last stage).
+    """
+
+    def __init__(self, counts: bool):
+        self.counts = counts
+        self._pending: torch.Tensor | None = None  # right predictions, summed entropy, target tokens
+
+    def add(self, token_stats: torch.Tensor | None, target_tokens: torch.Tensor | None) -> None:
+        """A step's counts (its :class:`~hf_noloco.engine.pipeline.StepResult`'s ``token_stats`` and
+        ``target_tokens``); a no-op off the last stage."""
+        if not self.counts or token_stats is None:
+            return
+        stats = torch.cat([token_stats, target_tokens.double().reshape(1)])
+        self._pending = stats if self._pending is None else self._pending + stats
+
+    def log_entries(self, live_sum, device) -> dict[str, float]:
+        """The counts since the last log summed over the live ranks with ``live_sum`` (collective), as log
+        entries (none when no target was scored)."""
+        stats = torch.zeros(3, dtype=torch.float64, device=device)
+        if self._pending is not None:
+            stats += self._pending.to(device)
+            self._pending = None
+        live_sum(stats)
+        right, entropy, tokens = stats.tolist()
+        return prediction_entries(right, entropy, tokens)
+
+
+def prediction_entries(right: float, entropy: float, tokens: float, prefix: str = "") -> dict[str, float]:
+    """``mean_token_accuracy`` (the share of target tokens predicted right, by the argmax) and ``entropy``
+    (the predictions' mean entropy, in nats), TRL's names; none without a target."""
+    if tokens <= 0:
+        return {}
+    return {f"{prefix}mean_token_accuracy": right / tokens, f"{prefix}entropy": entropy / tokens}
+
+
 def resolved_peak_flops(args) -> float | None:
     """The peak FLOPS of one device: ``peak_tflops``, else a known GPU's (:mod:`hf_noloco.estimate.flops`)."""
     if args.peak_tflops is not None:

@@ -27,7 +27,7 @@ from hf_noloco.components.evaluation import Evaluation
 from hf_noloco.components.exporter import Exporter
 from hf_noloco.components.inputs import check_dataset_size, proof_forms
 from hf_noloco.components.loaders import ReplicaLoaders
-from hf_noloco.components.metrics import Throughput
+from hf_noloco.components.metrics import PredictionStats, Throughput
 from hf_noloco.components.run_record import RunRecord, finish_wandb
 from hf_noloco.components.run_state import RunState
 from hf_noloco.components.training_logs import TrainingLogs
@@ -230,9 +230,12 @@ def build_run_parts(
         schedule=args.pipeline_schedule,
         loss_chunk_tokens=args.loss_chunk_tokens,
         wire_dtype=torch.bfloat16 if args.bf16 else None,  # what autocast computes in: half the bytes
+        loss_type=args.loss_type,
+        offload_activations=args.activation_offloading,
     )
     loaders = ReplicaLoaders(mesh, args, inputs.collate_fn)
     throughput = Throughput(stage.config, mesh.is_first_stage, args)  # the peak FLOPS from args
+    predictions = PredictionStats(mesh.is_last_stage)
     run = RunState()
     checkpointer = RunCheckpointer(
         args, mesh, stage, engine, tied, loaders, throughput, run, peft_config, write_rng, decay_names
@@ -257,7 +260,7 @@ def build_run_parts(
         inputs.data_args,
         inputs.train_dataset,
     )
-    logs = TrainingLogs(args, mesh, stage, run, throughput, loaders, policy)
+    logs = TrainingLogs(args, mesh, stage, run, throughput, loaders, policy, predictions)
     exporter = Exporter(
         args,
         mesh,
@@ -288,7 +291,7 @@ def build_run_parts(
         preemption,
         record,
         exporter,
-        TrainingStep(args, mesh, stage, engine, tied, run),
+        TrainingStep(args, mesh, stage, engine, tied, run, predictions),
         logs,
         Evaluation(args, mesh, stage, engine, logs, policy),
     )

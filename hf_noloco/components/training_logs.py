@@ -8,7 +8,13 @@ from __future__ import annotations
 import torch
 
 from hf_noloco.components.loaders import ReplicaLoaders
-from hf_noloco.components.metrics import Throughput, mean_training_loss, outer_log_entries, replica_divergence
+from hf_noloco.components.metrics import (
+    PredictionStats,
+    Throughput,
+    mean_training_loss,
+    outer_log_entries,
+    replica_divergence,
+)
 from hf_noloco.components.run_state import RunState
 from hf_noloco.config import NoLoCoConfig
 from hf_noloco.engine.mesh import PipelineMesh
@@ -23,6 +29,7 @@ class TrainingLogs:
         args: the run's config (``divergence_steps``); mesh, stage: its parts.
         run: the Trainer's objects (its step, the outer optimizer); throughput: the token counts.
         loaders: the training stream, if any (its epoch); replica_loss: the sums over the live ranks.
+        predictions: the last stage's right predictions and entropy (TRL's ``mean_token_accuracy``).
     """
 
     def __init__(
@@ -34,9 +41,11 @@ class TrainingLogs:
         throughput: Throughput,
         loaders: ReplicaLoaders,
         replica_loss: ReplicaLossPolicy,
+        predictions: PredictionStats | None = None,
     ):
         self.args, self.mesh, self.stage, self.run, self.throughput = args, mesh, stage, run, throughput
         self.loaders, self.replica_loss = loaders, replica_loss
+        self.predictions = predictions or PredictionStats(counts=False)
         self.last_divergence_step = 0
 
     def live_sum(self, tensor: torch.Tensor, what: str) -> int:
@@ -68,6 +77,8 @@ class TrainingLogs:
             )
         token_sum = lambda t: self.live_sum(t, "all-reduce of the token counts")
         entries.update(self.throughput.log_entries(token_sum, self.args.device))
+        entries["num_tokens"] = self.throughput.tokens_seen  # TRL's name of the tokens trained on so far
+        entries.update(self.predictions.log_entries(token_sum, self.args.device))
         return entries
 
     def stream_epoch(self) -> float | None:

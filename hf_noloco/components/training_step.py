@@ -16,6 +16,7 @@ import torch
 from accelerate.utils.memory import clear_device_cache
 
 from hf_noloco.components.column_stats import clip_gradients_, column_stats, nonfinite_report
+from hf_noloco.components.metrics import PredictionStats
 from hf_noloco.components.run_state import RunState
 from hf_noloco.config import NoLoCoConfig
 from hf_noloco.engine.mesh import PipelineMesh
@@ -33,6 +34,7 @@ class TrainingStep:
         args: the run's config (``nonfinite``, ``max_grad_norm``, ``torch_empty_cache_steps``).
         mesh, stage, engine, tied: the run's parts.
         run: the Trainer's objects (the outer optimizer reduces data-parallel gradients).
+        predictions: where the last stage's right predictions and entropy are counted.
     """
 
     def __init__(
@@ -43,15 +45,11 @@ class TrainingStep:
         engine: PipelineEngine,
         tied: TiedEmbeddings,
         run: RunState,
+        predictions: PredictionStats | None = None,
     ):
-        self.args, self.mesh, self.stage, self.engine, self.tied, self.run = (
-            args,
-            mesh,
-            stage,
-            engine,
-            tied,
-            run,
-        )
+        self.args, self.mesh, self.stage, self.engine = args, mesh, stage, engine
+        self.tied, self.run = tied, run
+        self.predictions = predictions or PredictionStats(counts=False)
         self.grad_norm: torch.Tensor | None = None  # this step's column gradient norm
         self.skipped_since_log = 0  # steps this rank skipped since the last log (a replica lost meanwhile)
 
@@ -63,6 +61,7 @@ class TrainingStep:
         """Step ``step`` on ``inputs``; returns the column's loss."""
         self.stage.train()
         result = self.engine.train_step(inputs)
+        self.predictions.add(result.token_stats, result.target_tokens)
         self.run.outer.reduce_gradients()  # ddp: first, so the tied sum below adds replica-averaged gradients
         self.tied.sum_gradients()
         every = self.args.torch_empty_cache_steps

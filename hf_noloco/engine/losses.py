@@ -4,7 +4,9 @@ chunk.
 Labels are shifted inside, logits upcast to float32, positions whose target is ``-100`` contribute 0, as
 transformers' ``ForCausalLMLoss`` computes it; a family's logit arithmetic
 (:class:`~hf_noloco.engine.stage.ForwardExtras`: multipliers, divisors, soft-capping) is applied before the
-loss, in both the plain and the chunked path.
+loss, in both the plain and the chunked path. From the same logits, without another ``lm_head`` pass, it can
+count the predictions that were right and sum their entropy (TRL's ``mean_token_accuracy`` and ``entropy``),
+and weight each token's loss by its predicted probability (TRL's ``loss_type="dft"``).
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ from hf_noloco.engine.stage import ForwardExtras
 IGNORE_INDEX = -100
 
 
+TOKEN_STATS = 2  # the length of next_token_losses' ``stats``: right predictions, summed entropy
+
+
 def next_token_losses(
     outputs: torch.Tensor,
     labels: torch.Tensor,
     lm_head: nn.Module | None = None,
     chunk_tokens: int | None = None,
     extras: ForwardExtras | None = None,
+    stats: torch.Tensor | None = None,
+    loss_type: str = "nll",
 ) -> torch.Tensor:
     """The cross-entropy of every position's next-token prediction, shape ``(rows, tokens)``. Summed and
     divided by :func:`target_token_count` it is ``<Model>ForCausalLM``'s loss.
@@ -35,17 +42,45 @@ def next_token_losses(
     exist at any time, instead of ``rows * tokens * vocab`` floats (8 GiB for 4 x 4096 tokens of Llama-3's
     128k vocabulary, and the backward of a cross-entropy holds three such tensors), for one more ``lm_head``
     matrix multiply.
+
+    ``stats``: a float64 tensor of :data:`TOKEN_STATS` values to which the target positions add, from the
+    logits the loss computes anyway (no gradient): how many predictions (argmax) were the target, and the sum
+    of the predictions' entropies. ``loss_type="dft"`` weights each position's cross-entropy by its target's
+    predicted probability, held constant (dynamic fine-tuning, as TRL's ``loss_type``); ``"nll"``: not.
     """
     extras = extras or ForwardExtras()
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     flat_targets = targets.flatten()
-    if lm_head is None:
-        return _token_cross_entropy(outputs.flatten(0, 1), flat_targets).view(targets.shape)
     hidden = outputs.flatten(0, 1)
-    if not chunk_tokens or chunk_tokens >= hidden.shape[0] or getattr(lm_head, "bias", None) is not None:
-        return _token_cross_entropy(extras.logits(lm_head(hidden)), flat_targets).view(targets.shape)
-    losses = _ChunkedHeadCrossEntropy.apply(hidden, lm_head.weight, flat_targets, chunk_tokens, extras)
+    chunked = lm_head is not None and chunk_tokens and chunk_tokens < hidden.shape[0]
+    if chunked and getattr(lm_head, "bias", None) is None:
+        losses = _ChunkedHeadCrossEntropy.apply(
+            hidden, lm_head.weight, flat_targets, chunk_tokens, extras, stats
+        )
+    else:
+        logits = hidden if lm_head is None else extras.logits(lm_head(hidden))
+        losses = _token_cross_entropy(logits, flat_targets)
+        if stats is not None:
+            with torch.no_grad():
+                add_token_stats(stats, logits.float(), flat_targets, losses)
+    if loss_type == "dft":
+        losses = losses * torch.exp(-losses.detach())  # p(target) = exp(-cross-entropy)
     return losses.view(targets.shape)
+
+
+def add_token_stats(
+    stats: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor
+) -> None:
+    """Adds to ``stats`` the target positions' right predictions and their entropies, from float32 ``logits``
+    and their cross-entropies ``losses`` (``-log p(target)``: the log-sum-exp is ``losses + logit(target)``,
+    so the entropy ``lse - sum(p * logits)`` needs one more pass over the vocabulary, not two)."""
+    scored = targets != IGNORE_INDEX
+    right = (logits.argmax(dim=-1) == targets) & scored
+    picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    lse = losses + picked
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    stats[0] += right.sum()
+    stats[1] += entropy.masked_fill(~scored, 0.0).sum(dtype=torch.float64)
 
 
 def target_token_count(labels: torch.Tensor) -> torch.Tensor:
@@ -96,7 +131,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     autocast's dtype when autocast is on (as ``lm_head`` would), softmax and loss in float32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, extras):
+    def forward(ctx, hidden, weight, targets, chunk, extras, stats=None):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         ctx.dtype, ctx.chunk, ctx.extras = dtype, chunk, extras
@@ -110,6 +145,8 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 picked = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
                 loss = torch.logsumexp(logits, dim=-1).sub_(picked)
                 losses[start : start + chunk] = loss.masked_fill_(t == IGNORE_INDEX, 0.0)
+                if stats is not None:
+                    add_token_stats(stats, logits, t, losses[start : start + chunk])
         return losses
 
     @staticmethod
@@ -135,4 +172,4 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                     grad_weight.addmm_(grad.t(), h)
                 elif need_weight:  # autocast: float32 weights, bf16 products
                     grad_weight.add_(grad.t() @ h)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None

@@ -43,13 +43,19 @@ import torch
 import torch.distributed as dist
 
 from hf_noloco.engine.comm import abandon, collective, exchange, post, strict_p2p, wait_sends
-from hf_noloco.engine.losses import next_token_losses, target_token_count
+from hf_noloco.engine.losses import TOKEN_STATS, next_token_losses, target_token_count
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.routing import Router
 from hf_noloco.engine.schedule import BACKWARD, FORWARD, Post, routed_links, step_plan
 from hf_noloco.engine.split_backward import backward_input
-from hf_noloco.engine.stage import PipelineStage, packed_sequence_lengths
-from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice, check_microbatch_size, check_positive_int
+from hf_noloco.engine.stage import PipelineStage, offload_saved_tensors, packed_sequence_lengths
+from hf_noloco.rules import (
+    LOSS_TYPES,
+    PIPELINE_SCHEDULES,
+    check_choice,
+    check_microbatch_size,
+    check_positive_int,
+)
 
 _META_FIXED = 2  # sample id, origin batch's target-token count; then labels, attention mask, positions
 _INDEX_CACHE = 256  # row indices kept on the device (sample routing draws other rows every microbatch)
@@ -62,6 +68,9 @@ class StepResult:
 
     loss: torch.Tensor | None
     target_tokens: torch.Tensor | None = None  # target tokens the last stage scored
+    token_stats: torch.Tensor | None = (
+        None  # last stage: right predictions, summed entropy (losses.TOKEN_STATS)
+    )
     sample_id_tensors: list[torch.Tensor] = field(default_factory=list)  # per microbatch, as processed here
 
     @property
@@ -89,6 +98,9 @@ class PipelineEngine:
         loss_chunk_tokens: the last stage scores this many positions at a time, recomputing each chunk's
             logits in the backward pass, so it never holds a microbatch's full logits; ``None``: all at once
             (see :func:`~hf_noloco.engine.losses.next_token_losses`).
+        loss_type: ``"nll"`` or ``"dft"`` (each token's loss weighted by its predicted probability).
+        offload_activations: what a training forward saves for its backward is kept in host memory (pinned,
+            copied without blocking: :func:`~hf_noloco.engine.stage.offload_saved_tensors`).
     """
 
     def __init__(
@@ -102,8 +114,11 @@ class PipelineEngine:
         schedule: str = "1f1b",
         loss_chunk_tokens: int | None = None,
         wire_dtype: torch.dtype | None = None,
+        loss_type: str = "nll",
+        offload_activations: bool = False,
     ):
         check_choice("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
+        check_choice("loss_type", loss_type, LOSS_TYPES)
         check_microbatch_size(microbatch_size, microbatch_size)
         if router.num_replicas != mesh.num_replicas:
             raise ValueError(f"router has {router.num_replicas} replicas, the mesh {mesh.num_replicas}.")
@@ -117,6 +132,7 @@ class PipelineEngine:
         if loss_chunk_tokens is not None:
             check_positive_int("loss_chunk_tokens", loss_chunk_tokens)
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.loss_type, self.offload_activations = loss_type, offload_activations
         self.peak_microbatches_held = 0  # of the last step (forward done, weight gradients not): activations
         # Host seconds the last step spent waiting for peers (posting and waiting for messages): its bubble
         # as this rank saw it, on gloo (under NCCL's stream waits the host does not wait).
@@ -149,12 +165,20 @@ class PipelineEngine:
         """``(summed token cross-entropy, target tokens)`` of ``batch``, evaluated by this replica column
         (``fixed`` routing unless a router is given), returned on every rank of the column. A last, smaller
         batch is fine: its microbatches shrink to a divisor of its rows."""
+        totals = self.eval_totals(batch, router)
+        return totals[0].item(), int(totals[1].item())
+
+    @torch.no_grad()
+    def eval_totals(self, batch: dict[str, torch.Tensor], router: Router | None = None) -> torch.Tensor:
+        """:meth:`eval_step`'s sums, and the right predictions and summed entropy of the target positions,
+        as one float64 tensor on the device (no host sync), the same on every rank of the column."""
         router = router or Router(self.mesh.num_replicas, "fixed")
         rows = batch["input_ids"].shape[0]
         result = self._run(batch, router, math.gcd(rows, self.microbatch_size), training=False)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(2 + TOKEN_STATS, dtype=torch.float64, device=self.device)
         if self.stage.is_last:
             totals[0], totals[1] = result.loss.double(), result.target_tokens
+            totals[2:] = result.token_stats
         if self.mesh.num_stages > 1:
             last = self.mesh.rank_of(self.mesh.replica, self.mesh.num_stages - 1)
             what = self._context("the evaluation loss broadcast", None)
@@ -166,7 +190,7 @@ class PipelineEngine:
                 timeout=self.p2p_timeout,
                 what=what,
             )
-        return totals[0].item(), int(totals[1].item())
+        return totals
 
     def state_dict(self) -> dict[str, int]:
         return {"step_index": self.step_index, "samples_seen": self.samples_seen}
@@ -201,6 +225,10 @@ class PipelineEngine:
         split = self.schedule == "zb-h1" and not stage.is_first and not stage.is_activation_checkpointing
         loss = torch.zeros((), dtype=torch.float32, device=self.device) if stage.is_last else None
         target_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        token_stats = (
+            torch.zeros(TOKEN_STATS, dtype=torch.float64, device=self.device) if stage.is_last else None
+        )
+        offload = offload_saved_tensors if training and self.offload_activations else contextlib.nullcontext
 
         def forward(m: int) -> None:
             nonlocal loss
@@ -212,13 +240,19 @@ class PipelineEngine:
             sample_ids.append(mb_meta[:, 0])
             labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len, has_mask, has_positions)
             lengths = varlen[m] if varlen is not None else None
-            with self.autocast():
+            with self.autocast(), offload():
                 y = stage(
                     x, attention_mask=attention_mask, position_ids=position_ids, logits=False, varlen=lengths
                 )
                 if stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
                     token_losses = next_token_losses(
-                        y, labels, stage.lm_head, self.loss_chunk_tokens, stage.extras
+                        y,
+                        labels,
+                        stage.lm_head,
+                        self.loss_chunk_tokens,
+                        stage.extras,
+                        token_stats,
+                        self.loss_type,
                     )
             if stage.is_last:
                 target_tokens.add_(target_token_count(labels))
@@ -275,7 +309,7 @@ class PipelineEngine:
             # under on_replica_loss="continue", operations never waited for stay alive
             abandon(pending + [work for works, *_ in self._awaited.values() for work in works])
             raise
-        return StepResult(loss, target_tokens, sample_ids)
+        return StepResult(loss, target_tokens, sample_ids, token_stats)
 
     def _check_batch(self, batch: dict[str, torch.Tensor], micro: int) -> tuple[int, int]:
         input_ids = batch.get("input_ids")

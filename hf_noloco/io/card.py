@@ -210,6 +210,7 @@ def render_model_card(
     base_model_folder: str | os.PathLike | None = None,
     wandb_url: str | None = None,
     template_path: str | os.PathLike | None = None,
+    mean_token_accuracy: float | None = None,
 ):
     """Renders the model card and writes it as ``output_dir/README.md``.
 
@@ -231,6 +232,8 @@ def render_model_card(
         base_model_folder: the base model's files, where its own card gives the license and language.
         wandb_url: the wandb run's page.
         template_path: another Jinja template to use (default: :func:`default_template`).
+        mean_token_accuracy: the final evaluation's share of target tokens predicted right (TRL's metric),
+            ``None`` when not measured.
 
     Returns:
         The ``huggingface_hub.ModelCard``.
@@ -303,6 +306,7 @@ def render_model_card(
         num_replicas=settings.get("num_replicas"),
         final_perplexity=None if final_perplexity is None else f"{final_perplexity:.3f}",
         replica_divergence=None if replica_divergence is None else f"{replica_divergence:.4g}",
+        mean_token_accuracy=None if mean_token_accuracy is None else f"{mean_token_accuracy:.4f}",
         tokens_seen=f"{int(tokens_seen):,}",
         plot_file=plot_file,
         wandb_url=wandb_url,

@@ -159,25 +159,29 @@ def test_training_logs_compute_the_divergence_only_when_it_is_due(args, mesh):
 def test_an_evaluation_pools_the_loss_and_an_interrupted_one_returns_nothing(args, mesh):
     stage, _, run = _parts(args, mesh)
 
-    class Engine:  # eval_step's answer: (summed token cross-entropy, target tokens)
-        def eval_step(self, batch):
-            return float(batch["loss_sum"]), int(batch["tokens"])
+    class Engine:  # eval_totals' answer: cross-entropy, target tokens, right predictions, summed entropy
+        def eval_totals(self, batch):
+            return torch.tensor(
+                [batch["loss_sum"], batch["tokens"], batch["right"], 0.5], dtype=torch.float64
+            )
 
     logs = TrainingLogs(
         args, mesh, stage, run, Throughput(None, counts=False), ReplicaLoaders(mesh, args, None), Policy()
     )
-    batches = [{"loss_sum": 6.0, "tokens": 3}, {"loss_sum": 2.0, "tokens": 1}]
+    batches = [{"loss_sum": 6.0, "tokens": 3, "right": 1}, {"loss_sum": 2.0, "tokens": 1, "right": 1}]
     seen, results = [], []
     evaluation = Evaluation(args, mesh, stage, Engine(), logs, Policy())
     metrics = evaluation.run(batches, "eval", lambda: seen.append(1), results.append)
     assert metrics["eval_loss"] == 2.0 and metrics["eval_perplexity"] == pytest.approx(math.exp(2.0))
     assert metrics["eval_tokens"] == 4 and "replica_divergence" in metrics  # divergence_steps unset
+    assert metrics["eval_mean_token_accuracy"] == 0.5 and metrics["eval_entropy"] == 0.25
     assert len(seen) == 2 and results == [metrics] and stage.training
     assert (
         Evaluation(args, mesh, stage, Engine(), logs, Policy(interrupt=True)).run(batches, "eval", list, list)
         == {}
     )
-    assert evaluation_metrics("x", 0.0, 0, 1.0)["x_loss"] == 0.0  # no tokens: no division by zero
+    empty = evaluation_metrics("x", [0.0, 0, 0, 0.0], 1.0)  # no tokens: no division by zero, no accuracy
+    assert empty["x_loss"] == 0.0 and "x_mean_token_accuracy" not in empty
 
 
 def test_the_run_record_says_what_was_run_and_what_the_export_is(args, mesh):
