@@ -309,7 +309,7 @@ class PipelineEngine:
             # under on_replica_loss="continue", operations never waited for stay alive
             abandon(pending + [work for works, *_ in self._awaited.values() for work in works])
             raise
-        return StepResult(loss, target_tokens, sample_ids, token_stats)
+        return StepResult(loss, target_tokens, token_stats, sample_ids)
 
     def _check_batch(self, batch: dict[str, torch.Tensor], micro: int) -> tuple[int, int]:
         input_ids = batch.get("input_ids")
