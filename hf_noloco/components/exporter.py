@@ -13,7 +13,6 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 from transformers.utils.hub import PushInProgress
 
 from hf_noloco.adapters.consensus import consensus_adapters
@@ -23,10 +22,10 @@ from hf_noloco.components.run_record import RunRecord, wandb_url
 from hf_noloco.components.run_state import RunState
 from hf_noloco.config import NoLoCoConfig
 from hf_noloco.data.arguments import BUILTIN_DATASET, DataArguments
-from hf_noloco.engine.comm import peer_call
 from hf_noloco.engine.loading import BuiltStage
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.stage import PipelineStage
+from hf_noloco.engine.structured import broadcast_json
 from hf_noloco.io.card import PLOT_FILE, plot_training_curves, render_model_card
 from hf_noloco.io.full_checkpoint import gather_full_state_dict, save_consensus_checkpoint
 from hf_noloco.io.hub import (
@@ -135,13 +134,13 @@ class Exporter:
         return url
 
     def _agree(self, message: list, what: str) -> list:
-        """``message`` (a list of one picklable value) as the leader holds it, on every live rank."""
+        """``message`` (a list of one JSON value) as the leader holds it, on every live rank."""
         mesh = self.mesh
         if mesh.world_size > 1:
-            device = mesh.device if mesh.device.type == "cuda" else torch.device("cpu")
+            device = mesh.device if mesh.backend == "nccl" else torch.device("cpu")
             # No async form: bounded by the group's own timeout, ddp_timeout here (a Hub call may be slow).
-            with mesh.patient(self.args.ddp_timeout), peer_call(what):
-                dist.broadcast_object_list(message, src=mesh.leader, group=mesh.world_group, device=device)
+            with mesh.patient(self.args.ddp_timeout):
+                message = broadcast_json(message, mesh.leader, mesh.world_group, device, what=what)
         return message
 
     def init_repository(self, token=None, private=None) -> str:
@@ -155,9 +154,9 @@ class Exporter:
         if mesh.is_leader:
             try:
                 private = private if private is not None else args.hub_private_repo
-                verdict = [("ok", prepare_repository(repo_id, token, private, args.hub_revision))]
+                verdict = [["ok", prepare_repository(repo_id, token, private, args.hub_revision)]]
             except ValueError as exc:
-                verdict = [("error", str(exc))]
+                verdict = [["error", str(exc)]]
         [(kind, value)] = self._agree(verdict, f"{mesh.describe()}: the Hub repository check")
         if kind == "error":
             raise ValueError(value)

@@ -49,6 +49,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_noloco.engine.comm import peer_call
 from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.engine.structured import all_gather_json, broadcast_json
 from hf_noloco.io import reshard
 
 logger = logging.getLogger(__name__)
@@ -463,9 +464,9 @@ def agreed_problems(checkpoint: str, mesh: PipelineMesh, layer_ranges=None) -> l
     """Every rank's verdict on ``checkpoint`` (:func:`verify_rank_files`), the same list on every rank.
     Collective: every rank calls it, so no rank can start training from a checkpoint another refuses."""
     mine = verify_rank_files(checkpoint, mesh, layer_ranges)
-    verdicts: list = [None] * dist.get_world_size()
-    with peer_call("the checkpoint's barrier and verdicts"):
-        dist.all_gather_object(verdicts, mine)
+    verdicts = all_gather_json(mine, what="the checkpoint's barrier and verdicts")
+    if not all(v is None or isinstance(v, str) for v in verdicts):
+        raise ValueError(f"Cannot resume {checkpoint}: a rank sent a malformed verdict.")
     return list(dict.fromkeys(v for v in verdicts if v))  # in rank order, each problem once
 
 
@@ -486,10 +487,10 @@ def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh, laye
         return requested
     # Rank 0's listing for all: ranks that saw different folders (a slow shared filesystem) would otherwise
     # call different numbers of collectives. A checkpoint a rank cannot see fails its check there.
-    box = [completed_checkpoints(run_dir) if mesh.rank == 0 else None]
-    with peer_call("the checkpoint's barrier and verdicts"):
-        dist.broadcast_object_list(box, src=0)
-    candidates = box[0]
+    listing = completed_checkpoints(run_dir) if mesh.rank == 0 else None
+    candidates = broadcast_json(listing, src=0, what="the checkpoint's barrier and verdicts")
+    if not isinstance(candidates, list) or not all(_is_checkpoint_of(c, run_dir) for c in candidates):
+        raise ValueError(f"Cannot resume from {run_dir}: rank 0 sent a malformed list of checkpoints.")
     skipped = []
     for candidate in candidates:
         problems = agreed_problems(candidate, mesh, layer_ranges)
@@ -511,6 +512,14 @@ def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh, laye
             + " | ".join(f"{os.path.basename(c)}: {'; '.join(p)}" for c, p in skipped)
         )
     return None
+
+
+def _is_checkpoint_of(path, run_dir: str) -> bool:
+    """Whether ``path`` names a ``checkpoint-N`` folder directly inside ``run_dir``."""
+    if not isinstance(path, str):
+        return False
+    parent, name = os.path.split(path)
+    return parent == run_dir and re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", name) is not None
 
 
 def _move_aside(folder: str) -> None:
