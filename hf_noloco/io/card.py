@@ -209,8 +209,10 @@ def render_model_card(
     base_model_folder: str | os.PathLike | None = None,
     wandb_url: str | None = None,
     template_path: str | os.PathLike | None = None,
+    write_to: str | os.PathLike | None = None,
 ):
-    """Renders the model card and writes it as ``output_dir/README.md``.
+    """Renders the model card and writes it as ``output_dir/README.md`` (or into ``write_to``: the folder
+    the export is staged in before it moves to ``output_dir``).
 
     Args:
         output_dir: the exported checkpoint's folder.
@@ -230,6 +232,7 @@ def render_model_card(
         base_model_folder: the base model's files, where its own card gives the license and language.
         wandb_url: the wandb run's page.
         template_path: another Jinja template to use (default: :func:`default_template`).
+        write_to: where ``README.md`` goes, when not ``output_dir`` (the card still names ``output_dir``).
 
     Returns:
         The ``huggingface_hub.ModelCard``.
@@ -307,6 +310,7 @@ def render_model_card(
         wandb_url=wandb_url,
         versions=library_versions(),
     )
-    os.makedirs(output_dir, exist_ok=True)
-    card.save(os.path.join(output_dir, "README.md"))
+    folder = os.fspath(write_to) if write_to is not None else output_dir
+    os.makedirs(folder, exist_ok=True)
+    card.save(os.path.join(folder, "README.md"))
     return card
