@@ -44,10 +44,12 @@ from hf_noloco.rules import (
     StageBalance,
     check_choice,
     check_export_replica,
+    check_finite_numbers,
     check_microbatch_size,
     check_model_init_kwargs,
     check_positive_int,
     check_stage_boundaries,
+    check_timeout,
     default_microbatch_size,
 )
 
@@ -409,8 +411,9 @@ def check_config(c, joining: bool = False) -> None:
     check_replica_loss(c, joining)
     check_gpus_per_machine(c)
     check_choice("hub_strategy", str(getattr(c.hub_strategy, "value", c.hub_strategy)), HUB_STRATEGIES)
-    if not c.p2p_timeout > 0:
-        raise ValueError(f"p2p_timeout must be a positive number of seconds, got {c.p2p_timeout!r}.")
+    check_finite_numbers({k: v for k, v in vars(c).items() if not k.startswith("_")})
+    check_timeout("p2p_timeout", c.p2p_timeout)
+    check_timeout("ddp_timeout", c.ddp_timeout)
     if c.microbatch_size is not None:
         check_microbatch_size(c.per_device_train_batch_size, c.microbatch_size)
     if c.divergence_steps is not None:
