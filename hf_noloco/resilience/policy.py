@@ -120,6 +120,7 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
             draws over the replicas, and copies a joined column's state).
         joining / admission_timeout: this rank joins a live run (see
             :class:`~hf_noloco.resilience.membership.Membership`).
+        recipe: the digest of the run's recipe, which a joining column must share.
     """
 
     continues = True
@@ -132,6 +133,7 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
         on_change: Callable[[int, list[int], list[int], list[int]], None],
         joining: bool = False,
         admission_timeout: float = 3600.0,
+        recipe: str = "",
     ):
         super().__init__(mesh, watch, p2p_timeout)
         self.membership = Membership(
@@ -143,6 +145,7 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
             on_change=on_change,
             joining=joining,
             admission_timeout=admission_timeout,
+            recipe=recipe,
         )
 
     @property
@@ -214,13 +217,16 @@ def replica_loss_policy(
     on_change: Callable[[int, list[int], list[int], list[int]], None],
     joining: bool = False,
     admission_timeout: float = 3600.0,
+    recipe: str = "",
 ) -> ReplicaLossPolicy:
     """The policy of ``on_replica_loss`` (``action``), with this rank's heartbeat started (and, ``joining``,
-    this rank admitted into the live run)."""
+    this rank admitted into the live run, if its ``recipe`` digest is the run's)."""
     continuing = action == "continue"
     # Under "continue" the heartbeat has a store connection of its own: making a process group blocks the
     # shared one until every member arrives, which would silence the heartbeat meanwhile.
     watch = PeerWatch(mesh.rank, mesh.world_size, own_connection=continuing, beating=not joining)
     if continuing:
-        return ContinueAfterReplicaLoss(mesh, watch, p2p_timeout, on_change, joining, admission_timeout)
+        return ContinueAfterReplicaLoss(
+            mesh, watch, p2p_timeout, on_change, joining, admission_timeout, recipe
+        )
     return ReplicaLossPolicy(mesh, watch, p2p_timeout)
