@@ -329,8 +329,14 @@ def authenticate_store(host: str, port: int, timeout_s: float, proof_timeout: fl
         return found[0]
 
     secret()  # refuses at once without one
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    run_id = prove_store(store, secret, proof_timeout, where)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        run_id = prove_store(store, secret, proof_timeout, where)
+    except dist.DistError as exc:
+        raise SecretError(
+            f"the store at {where} closed the connection or cannot be reached before it proved the run's "
+            f"secret ({type(exc).__name__}): refusing to start."
+        ) from None
     global _RUN
     _RUN = RecordAuth(secret(), run_id)
     return store

@@ -426,7 +426,7 @@ class Membership:
             self._request_key(self.replica, stage), json.dumps({"recipe": self.recipe, "after_view": view})
         )
         ask()
-        started = last_check = time.monotonic()
+        started = last_check = asked = time.monotonic()
         while True:
             proposal = self._proposal(view + 1)
             if proposal is not None and self.replica in proposal.get("joined", []):
@@ -443,6 +443,9 @@ class Membership:
                     "outer optimizer settings or data) differs from the run's. Join with the run's own "
                     "arguments."
                 )
+            if time.monotonic() - asked > 1.0:  # a request deleted or overwritten: asked again
+                ask()
+                asked = time.monotonic()
             if time.monotonic() - last_check >= self.watch.interval:  # is the run still live?
                 last_check = time.monotonic()
                 live = self._live_of(view) or self.live
