@@ -116,7 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--start-timeout",
         type=float,
         default=3600.0,
-        help="With --store-only: seconds to wait for the first worker's heartbeat before giving up.",
+        help="With --store-only: seconds to wait for the first worker's heartbeat before giving up; for a "
+        "column's launch, for the run's secret to appear in --secret-file (the store's host writes it).",
     )
     parser.add_argument("--column", type=int, help="This replica column, in [0, --columns).")
     parser.add_argument("--columns", type=int, required=True, help="Replica columns in the run (dp).")
@@ -211,14 +212,21 @@ def publish_secret(args: argparse.Namespace, secret: str) -> None:
     )
 
 
-def check_secret(args: argparse.Namespace) -> None:
-    """A column's launch that does not host the store: the secret must be there (the workers read it)."""
-    if read_secret(args.secret_file) is None:
-        raise SecretError(
-            f"no secret for the run's store at {args.host}:{args.port}: not in {SECRET_ENV}, nor in "
-            f"{args.secret_file} (the store's host writes it there: copy it to this machine, or give "
-            f"--secret-file or {SECRET_FILE_ENV})."
-        )
+def check_secret(args: argparse.Namespace, wait: float) -> None:
+    """A column's launch that does not host the store: the secret must be there (its workers read it), or
+    appear within ``wait`` seconds (the store's host, started at the same time, writes it)."""
+    deadline, told = time.monotonic() + wait, False
+    while read_secret(args.secret_file) is None:
+        if time.monotonic() > deadline:
+            raise SecretError(
+                f"no secret for the run's store at {args.host}:{args.port}: not in {SECRET_ENV}, nor in "
+                f"{args.secret_file} (the store's host writes it there: copy it to this machine, or give "
+                f"--secret-file or {SECRET_FILE_ENV})."
+            )
+        if not told:
+            print(f"column_launch: waiting for the run's secret in {args.secret_file}", flush=True)
+            told = True
+        time.sleep(0.2)
 
 
 def serve_until_idle(store, world_size: int, linger: float, start_timeout: float | None = None) -> bool:
@@ -269,7 +277,7 @@ def _launch(args: argparse.Namespace) -> int:
         command = [sys.executable, "-m", *args.script_args]
     secret = host_secret(args) if args.host_store else None
     if secret is None:
-        check_secret(args)
+        check_secret(args, args.start_timeout)
     # The workers first: they import for seconds before they connect (and keep trying until the store is up),
     # while this process imports torch to host the store.
     procs = [subprocess.Popen(command, env=worker_env(args, stage, secret)) for stage in range(args.stages)]

@@ -213,3 +213,26 @@ def test_forged_records_are_ignored_and_a_replaced_view_is_caught(monkeypatch):
     finally:
         for m in members.values():
             m.close()
+
+
+def test_a_column_launch_without_the_secret_or_on_a_taken_port_is_one_error_line(
+    tmp_path, monkeypatch, capsys
+):
+    from hf_noloco.launch import column_launch
+
+    monkeypatch.delenv("HF_NOLOCO_RUN_SECRET", raising=False)
+    monkeypatch.delenv("HF_NOLOCO_RUN_SECRET_FILE", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    port = free_port()
+    store = ["--store", f"127.0.0.1:{port}", "--columns", "2", "--stages", "1"]
+    assert column_launch.main([*store, "--column", "1", "--start-timeout", "0.3", "worker.py"]) == 2
+    err = capsys.readouterr().err
+    assert f"no secret for the run's store at 127.0.0.1:{port}" in err and f"run-secret-{port}" in err
+    squatter = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    assert column_launch.main([*store, "--store-only"]) == 2
+    assert f"cannot host the run's store on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "hf_noloco" / f"run-secret-{port}")  # nothing written: not bound
+    del squatter
+    args = column_launch.parse_args([*store, "--store-only"])
+    assert (args.bind, args.secret_file) == ("127.0.0.1", str(tmp_path / "hf_noloco" / f"run-secret-{port}"))
+    assert column_launch.parse_args([*store, "--store-only", "--bind", "::"]).bind == "::"
