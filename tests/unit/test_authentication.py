@@ -236,3 +236,20 @@ def test_a_column_launch_without_the_secret_or_on_a_taken_port_is_one_error_line
     args = column_launch.parse_args([*store, "--store-only"])
     assert (args.bind, args.secret_file) == ("127.0.0.1", str(tmp_path / "hf_noloco" / f"run-secret-{port}"))
     assert column_launch.parse_args([*store, "--store-only", "--bind", "::"]).bind == "::"
+
+
+def test_the_store_only_host_waits_for_a_real_heartbeat_not_a_forged_one():
+    """Once, one fake heartbeat and silence made `--store-only` stop before any worker came."""
+    from hf_noloco.launch.column_launch import serve_until_idle
+
+    (store, records, stop), port = _host()
+    attacker = dist.TCPStore("127.0.0.1", port, is_master=False)
+    attacker.add("hf_noloco/0/beat/0", 1)  # what the heartbeats once were: a counter
+    attacker.set("hf_noloco/0/beat/1", f"{'0' * 64}.7")
+    started = time.monotonic()
+    assert serve_until_idle(records, 2, linger=0.2, start_timeout=1.0) is False  # no worker ever beat
+    assert time.monotonic() - started >= 1.0
+    worker = auth.AuthenticatedStore(dist.TCPStore("127.0.0.1", port, is_master=False), records.auth)
+    worker.set("hf_noloco/0/beat/1", "1")  # a real worker's first beat, then silence
+    assert serve_until_idle(records, 2, linger=0.3, start_timeout=5.0) is True
+    stop.set()
