@@ -98,6 +98,7 @@ def test_a_client_without_the_secret_cannot_end_join_stall_or_take_over_the_run(
     # before anything of the recipe is built.
     recipe = {"model_config": RECIPE_MODEL, "output_dir": str(out / "refused"), "report_to": "none"}
     recipe.update(pipeline_stages=1, outer_optimizer="noloco", on_replica_loss="continue", max_steps=2)
+    recipe["p2p_timeout"] = 5  # how long a worker waits for the store's proof: min(p2p_timeout, 60)
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     command = [os.path.join(ROOT, "recipes", "train.py"), str(tmp_path / "recipe.yaml")]
     start("squat-column", [*squatted, "--column", "0", *command])
@@ -115,6 +116,7 @@ def test_a_client_without_the_secret_cannot_end_join_stall_or_take_over_the_run(
     # since the store cannot prove the guess. It runs first, while the store surely serves.
     start("attacker-join", [*run, "--column", str(VICTIM), "--join", *command], HF_NOLOCO_RUN_SECRET=GUESS)
     procs["attacker-join"].wait(timeout=240)
+    refused_at = time.monotonic() - started
     for column in range(COLUMNS):
         extra = {"FAULT": f"kill-step:5:{VICTIM}"} if column == VICTIM else {}
         start(f"launch-{column}", [*run, "--column", str(column), FAULT_TRAIN, str(out)], **extra)
@@ -122,6 +124,7 @@ def test_a_client_without_the_secret_cannot_end_join_stall_or_take_over_the_run(
     start("other-recipe", [*run, "--column", str(VICTIM), "--join", FAULT_TRAIN, str(out)], INNER_STEPS="4")
     try:
         procs["launch-2"].wait(timeout=240)  # the victim is killed in step 5
+        killed_at = time.monotonic() - started
         threading.Thread(target=attacker.forge_beats, daemon=True).start()  # (c)
         codes = {name: proc.wait(timeout=240) for name, proc in procs.items()}
     finally:
@@ -134,7 +137,10 @@ def test_a_client_without_the_secret_cannot_end_join_stall_or_take_over_the_run(
     del squatter
     texts = {name: (out / f"{name}.txt").read_text(errors="replace") for name in procs}
     tails = {name: text[-2500:] for name, text in texts.items()}
-    print(f"the run with its attackers took {seconds:.1f} s; attacks: {attacker.done}")
+    print(
+        f"the run with its attackers took {seconds:.1f} s (the attacker's --join refused after "
+        f"{refused_at:.1f} s, the victim killed at {killed_at:.1f} s); attacks: {attacker.done}"
+    )
     assert codes == {
         "squat-column": 2,
         "squat-store": 2,
