@@ -48,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -196,6 +197,7 @@ def run_job(plan: dict, work: str, name: str) -> dict:
     command += [str(DP * PP)]
     command += ["--max-restarts", "1", os.path.abspath(__file__), "--worker", plan_path]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["HF_NOLOCO_RUN_SECRET"] = secrets.token_hex(32)  # the job's own (docs/security.md)
     load_before = os.getloadavg()[0]
     started = time.time()
     with open(os.path.join(work, f"{name}.log"), "w") as log:
@@ -241,6 +243,7 @@ def run_columns_job(plan: dict, work: str, name: str) -> dict:
         json.dump(plan, f)
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["HF_NOLOCO_RUN_SECRET"] = secrets.token_hex(32)  # the job's own (docs/security.md)
     load_before = os.getloadavg()[0]
     started = time.time()
     launches = []

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+import torch.distributed as dist
 from transformers import TrainingArguments
 
 from hf_noloco.docstrings import help_from_docstring
 from hf_noloco.engine.shape import mesh_shape, routing_group_size
 from hf_noloco.outer.settings import OuterSettings
+from hf_noloco.resilience.authentication import authenticate_store, join_authenticated_group
 from hf_noloco.resilience.elastic import join_restartable_group
 from hf_noloco.resilience.joining import is_joining, join_live_run
 from hf_noloco.rules import (
@@ -46,10 +48,12 @@ from hf_noloco.rules import (
     StageBalance,
     check_choice,
     check_export_replica,
+    check_finite_numbers,
     check_microbatch_size,
     check_model_init_kwargs,
     check_positive_int,
     check_stage_boundaries,
+    check_timeout,
     default_microbatch_size,
 )
 
@@ -387,6 +391,16 @@ class NoLoCoConfig(OuterSettings, TrainingArguments):
         # made.
         for name, value in NCCL_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
+        if self.on_replica_loss == "continue" and _world_size() > 1:
+            # The store must prove the run's secret before any group is joined on it (docs/security.md).
+            store = authenticate_store(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                self.ddp_timeout,
+                min(self.p2p_timeout, 60.0),
+            )
+            if not (self.joining or dist.is_initialized()):
+                join_authenticated_group(store, self.ddp_backend or "gloo", self.ddp_timeout)
         join_restartable_group(self.ddp_backend or ("gloo" if self.use_cpu else "nccl"), self.ddp_timeout)
         if self.joining:  # column_launch --join: a stand-in default group (resilience/joining.py)
             join_live_run(self.ddp_timeout)
@@ -431,8 +445,9 @@ def check_config(c, joining: bool = False) -> None:
     check_replica_loss(c, joining)
     check_gpus_per_machine(c)
     check_choice("hub_strategy", str(getattr(c.hub_strategy, "value", c.hub_strategy)), HUB_STRATEGIES)
-    if not c.p2p_timeout > 0:
-        raise ValueError(f"p2p_timeout must be a positive number of seconds, got {c.p2p_timeout!r}.")
+    check_finite_numbers({k: v for k, v in vars(c).items() if not k.startswith("_")})
+    check_timeout("p2p_timeout", c.p2p_timeout)
+    check_timeout("ddp_timeout", c.ddp_timeout)
     if c.microbatch_size is not None:
         check_microbatch_size(c.per_device_train_batch_size, c.microbatch_size)
     if c.divergence_steps is not None:

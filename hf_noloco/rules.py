@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Literal, get_args
 
 # ----------------------------------------------------------------------------------------------------------
@@ -225,4 +226,42 @@ def check_merge_adapter(merge_adapter: bool, uses_adapters: bool) -> None:
     if merge_adapter and not uses_adapters:
         raise ValueError(
             "merge_adapter=True merges LoRA adapters into the model: it needs use_peft (a peft_config)."
+        )
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Whether a model or tokenizer name means a local folder (to be found here, never looked up on the Hub):
+    it starts like a filesystem path (``/``, ``.``, ``~``), has more than one ``/`` or a backslash (Hub ids
+    are ``name`` or ``owner/name``), or exists. Such a path must exist: a missing one never falls through to
+    the Hub, where a stranger's repository of that name (with ``trust_remote_code``, its code) would be used.
+    """
+    return (
+        os.path.exists(os.path.expanduser(name))
+        or name.startswith(("/", ".", "~"))
+        or name.count("/") > 1
+        or "\\" in name
+    )
+
+
+# Timeouts beyond this are refused (timedelta and the backends overflow long before "forever").
+MAX_TIMEOUT_S = 1e7
+_INT64 = 2**63
+
+
+def check_finite_numbers(values: dict) -> None:
+    """Every float of ``values`` (option name -> value) is finite, and every int fits in 64 bits: ``inf`` or
+    ``nan`` would otherwise pass a ``>= 0`` check (or fail one) and overflow or poison a run later."""
+    for name, value in values.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}.")
+        if isinstance(value, int) and not -_INT64 <= value < _INT64:
+            raise ValueError(f"{name} must fit in 64 bits, got a number of {len(str(abs(value)))} digits.")
+
+
+def check_timeout(name: str, seconds) -> None:
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"{name} must be a positive number of seconds, at most {MAX_TIMEOUT_S:g}, got {seconds!r}."
         )

@@ -369,6 +369,12 @@ class NoLoCoTrainer(Trainer):
     def _push_from_checkpoint(self, checkpoint_folder):
         self.parts.exporter.push_checkpoint(checkpoint_folder)  # by hub_strategy: the export, the checkpoint
 
+    def _finish_current_push(self):
+        """Waits for the last background upload (the Trainer's own), then raises on every rank if it failed
+        (collective when pushing)."""
+        super()._finish_current_push()
+        self.parts.exporter.finish_uploads()
+
     def push_to_hub(
         self, commit_message="End of training", blocking=True, token=None, revision=None, **kwargs
     ):

@@ -74,6 +74,7 @@ class RunCheckpointer:
         self.loaders, self.throughput, self.run, self.peft_config = loaders, throughput, run, peft_config
         self.write_rng, self.decay_names = write_rng, decay_names
         self._plan: tuple[reshard.SavedMesh, reshard.ReadPlan] | None = None  # a resume onto another mesh
+        self._named: str | None = None  # a folder the run named, which a restart falls back to
 
     @property
     def layer_ranges(self) -> list[list[int]]:
@@ -199,16 +200,21 @@ class RunCheckpointer:
         ``requested``: ``resume_from_checkpoint`` (a folder, ``True`` for the newest intact checkpoint in
         ``output_dir``, ``"auto"`` for that one if any); ``joined``: a joined column's copy of its donor's
         state, which wins. Workers a launcher restarted after a failure ask for the newest intact checkpoint
-        by themselves (a restart before any save starts over). A fresh start into an ``output_dir`` that
+        by themselves, even when the run named a folder (which they resume only when ``output_dir`` holds
+        none); a restart before any save starts over. A fresh start into an ``output_dir`` that
         holds checkpoints is refused."""
         args, mesh = self.args, self.mesh
         auto = requested == "auto" and not joined  # a requeued job resumes, a first one starts
-        restarted = auto or not (requested or joined) and elastic.agreed_restart(mesh)
+        restarted = auto or not joined and elastic.agreed_restart(mesh)
+        self._named = None
         if restarted and not auto:
+            # Also after an explicit folder: the restart continues what this job saved since, not the folder.
+            self._named = requested if isinstance(requested, str) else None
             logger.warning(
-                "%s: a restart of this job: resuming from the newest intact checkpoint in %s, if any.",
+                "%s: a restart of this job: resuming from the newest intact checkpoint in %s%s.",
                 mesh.describe(),
                 args.output_dir,
+                f", else {requested}" if self._named else ", if any",
             )
             requested = True
         if not (requested or joined) and checkpoint.checkpoints_in(args.output_dir):
@@ -230,6 +236,10 @@ class RunCheckpointer:
             found = checkpoint.resolve_resume(
                 args.output_dir, True if auto else requested, mesh, self.stage.all_layer_ranges
             )
+            if found is None and restarted and self._named:  # nothing saved since the named folder
+                found = checkpoint.resolve_resume(
+                    args.output_dir, self._named, mesh, self.stage.all_layer_ranges
+                )
         if found is None and not restarted:  # a restart before any save starts over
             raise ValueError(f"resume_from_checkpoint=True: {args.output_dir} holds no checkpoint.")
         if restarted and mesh.rank == 0:

@@ -13,7 +13,6 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 from transformers.utils.hub import PushInProgress
 
 from hf_noloco.adapters.consensus import consensus_adapters
@@ -23,15 +22,16 @@ from hf_noloco.components.run_record import RunRecord, wandb_url
 from hf_noloco.components.run_state import RunState
 from hf_noloco.config import NoLoCoConfig
 from hf_noloco.data.arguments import BUILTIN_DATASET, DataArguments
-from hf_noloco.engine.comm import peer_call
 from hf_noloco.engine.loading import BuiltStage
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.stage import PipelineStage
+from hf_noloco.engine.structured import broadcast_json
 from hf_noloco.io.card import PLOT_FILE, plot_training_curves, render_model_card
+from hf_noloco.io.export_files import publish_export, staging_folder
 from hf_noloco.io.full_checkpoint import gather_full_state_dict, save_consensus_checkpoint
 from hf_noloco.io.hub import (
-    CHECKPOINT_IGNORE_PATTERNS,
     check_hub_settings,
+    describe_hub_error,
     prepare_repository,
     push_folder_to_hub,
     upload_in_background,
@@ -79,6 +79,7 @@ class Exporter:
         self.tokenizer, self.data_args, self.eval_dataset = tokenizer, data_args, eval_dataset
         self.repo_id: str | None = None  # the Hub repository's full id, once prepared
         self.push_in_progress: PushInProgress | None = None  # the uploads of the last pushed save
+        self._pushed_step: int | None = None
 
     def export(self, output_dir: str) -> None:
         """Writes the export of the run into ``output_dir``: the model (``export_replica``'s weights or the
@@ -88,27 +89,29 @@ class Exporter:
         token_sum = lambda t: self.replica_loss.live_sum(t, "all-reduce of the token counts", self.run.step)
         self.throughput.log_entries(token_sum, args.device)
         with mesh.patient(args.ddp_timeout):  # one rank writes the whole model while the others wait
+            # The leader writes into a staging folder, then moves the files into place (io/export_files.py).
+            staging = staging_folder(output_dir) if mesh.is_leader else output_dir
             if self.peft_config is not None:
                 consensus = consensus_adapters(self.stage, mesh, replica=args.export_replica)
                 first_column = mesh.replica == mesh.live_replicas[0]
                 full = gather_full_state_dict(consensus if first_column else None, mesh)
                 if mesh.is_leader:
                     if args.merge_adapter:
-                        save_merged(output_dir, full, self.peft_config, source.folder)
+                        save_merged(staging, full, self.peft_config, source.folder)
                     else:
                         trust = (args.model_init_kwargs or {}).get("trust_remote_code", False)
                         save_adapter(
-                            output_dir, full, self.peft_config, source.base_model, source.export_config, trust
+                            staging, full, self.peft_config, source.base_model, source.export_config, trust
                         )
                     if self.tokenizer is not None:
-                        self.tokenizer.save_pretrained(output_dir)
-                    self.write_model_card(output_dir)
+                        self.tokenizer.save_pretrained(staging)
+                    self.write_model_card(output_dir, staging)
             else:
                 path = save_consensus_checkpoint(
                     self.stage,
                     mesh,
                     source.export_config,
-                    output_dir,
+                    staging,
                     tokenizer=self.tokenizer,
                     generation_config=source.generation_config,
                     replica=args.export_replica,
@@ -116,35 +119,45 @@ class Exporter:
                     trust_remote_code=(args.model_init_kwargs or {}).get("trust_remote_code", False),
                 )
                 if path is not None:
-                    self.write_model_card(output_dir)
+                    self.write_model_card(output_dir, staging)
+            if mesh.is_leader:
+                publish_export(staging, output_dir)
             self.replica_loss.barrier()
 
     def push_export(self, commit_message: str, token=None, revision=None) -> str | None:
         """Uploads the export in ``output_dir`` from the leader rank while the others wait (collective);
         returns the commit's URL on the leader."""
         args, mesh = self.args, self.mesh
-        url = None
+        url = failure = None
         with mesh.patient(args.ddp_timeout):
             if mesh.is_leader:
-                url = push_folder_to_hub(
-                    args.output_dir,
-                    self.repo_id or args.hub_model_id,
-                    token=token or args.hub_token,
-                    private=args.hub_private_repo,
-                    commit_message=commit_message,
-                    revision=revision or args.hub_revision,
-                )
+                try:
+                    url = push_folder_to_hub(
+                        args.output_dir,
+                        self.repo_id or args.hub_model_id,
+                        token=token or args.hub_token,
+                        private=args.hub_private_repo,
+                        commit_message=commit_message,
+                        revision=revision or args.hub_revision,
+                    )
+                except (OSError, ValueError) as exc:  # HfHubHTTPError is an OSError
+                    failure = (
+                        f"The upload to the Hub repository {self.repo_id} failed: {describe_hub_error(exc)}."
+                    )
+            [failure] = self._agree([failure], f"{mesh.describe()}: whether the upload succeeded")
+            if failure:
+                raise RuntimeError(failure)
             self.replica_loss.barrier()
         return url
 
     def _agree(self, message: list, what: str) -> list:
-        """``message`` (a list of one picklable value) as the leader holds it, on every live rank."""
+        """``message`` (a list of one JSON value) as the leader holds it, on every live rank."""
         mesh = self.mesh
         if mesh.world_size > 1:
-            device = mesh.device if mesh.device.type == "cuda" else torch.device("cpu")
+            device = mesh.device if mesh.backend == "nccl" else torch.device("cpu")
             # No async form: bounded by the group's own timeout, ddp_timeout here (a Hub call may be slow).
-            with mesh.patient(self.args.ddp_timeout), peer_call(what):
-                dist.broadcast_object_list(message, src=mesh.leader, group=mesh.world_group, device=device)
+            with mesh.patient(self.args.ddp_timeout):
+                message = broadcast_json(message, mesh.leader, mesh.world_group, device, what=what)
         return message
 
     def init_repository(self, token=None, private=None) -> str:
@@ -158,9 +171,9 @@ class Exporter:
         if mesh.is_leader:
             try:
                 private = private if private is not None else args.hub_private_repo
-                verdict = [("ok", prepare_repository(repo_id, token, private, args.hub_revision))]
+                verdict = [["ok", prepare_repository(repo_id, token, private, args.hub_revision)]]
             except ValueError as exc:
-                verdict = [("error", str(exc))]
+                verdict = [["error", str(exc)]]
         [(kind, value)] = self._agree(verdict, f"{mesh.describe()}: the Hub repository check")
         if kind == "error":
             raise ValueError(value)
@@ -179,11 +192,16 @@ class Exporter:
         if strategy == "end":
             return
         previous = self.push_in_progress
-        busy = [mesh.is_leader and previous is not None and not previous.is_done()]
-        if busy[0] and args.hub_always_push:
-            previous.wait_until_done()
-            busy = [False]
-        if self._agree(busy, f"{mesh.describe()}: whether the last push is done")[0]:
+        state = [False, None]  # [the last push still runs, what made it fail]
+        if mesh.is_leader and previous is not None:
+            if args.hub_always_push:
+                previous.wait_until_done()
+            state = [not previous.is_done(), self._failure(previous)]
+        busy, failure = self._agree(state, f"{mesh.describe()}: whether the last push is done")
+        if failure:
+            self.push_in_progress = None
+            raise RuntimeError(failure)
+        if busy:
             if mesh.is_leader:
                 logger.info(
                     "The previous push is still running: checkpoint %s is not pushed.", checkpoint_folder
@@ -199,16 +217,45 @@ class Exporter:
             where = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(checkpoint_folder)
             message += ", checkpoint"
             job = upload_in_background(
-                checkpoint_folder, repo, message, token, revision, where, CHECKPOINT_IGNORE_PATTERNS
+                checkpoint_folder, repo, message, token, revision, where, checkpoint=True
             )
             jobs.append(job)
         self.push_in_progress = PushInProgress(jobs)
+        self._pushed_step = self.run.step
 
-    def write_model_card(self, output_dir: str) -> None:
-        """The model card (``README.md``) and the training-curve plot of the run, from this rank."""
+    def _failure(self, push: PushInProgress) -> str | None:
+        """What made a finished background upload fail (its error's type and HTTP status), or ``None``."""
+        for job in push.jobs:
+            if job.done() and not job.cancelled() and job.exception() is not None:
+                return (
+                    f"The background upload of step {self._pushed_step} to the Hub repository {self.repo_id} "
+                    f"failed: {describe_hub_error(job.exception())}. Check the token's rights and the "
+                    "network, then push again (the export and checkpoints are in output_dir)."
+                )
+        return None
+
+    def finish_uploads(self) -> None:
+        """At the end (collective when pushing): waits for the last background upload, and raises on every
+        rank if it failed."""
+        if not self.args.push_to_hub:
+            return
+        mesh, push = self.mesh, self.push_in_progress
+        failure = None
+        if mesh.is_leader and push is not None:
+            push.wait_until_done()
+            failure = self._failure(push)
+        [failure] = self._agree([failure], f"{mesh.describe()}: whether the last push succeeded")
+        self.push_in_progress = None
+        if failure:
+            raise RuntimeError(failure)
+
+    def write_model_card(self, output_dir: str, write_to: str | None = None) -> None:
+        """The model card (``README.md``) and the training-curve plot of the run, from this rank, for the
+        export in ``output_dir`` (written into ``write_to`` when given: the export's staging folder)."""
         history = self.run.trainer_state.log_history
         last = lambda key: next((e[key] for e in reversed(history) if key in e), None)
-        plot = plot_training_curves(history, os.path.join(output_dir, PLOT_FILE)) if history else None
+        folder = write_to or output_dir
+        plot = plot_training_curves(history, os.path.join(folder, PLOT_FILE)) if history else None
         data = self.data_args
         render_model_card(
             output_dir,
@@ -221,10 +268,11 @@ class Exporter:
             replica_divergence=last("replica_divergence"),
             mean_token_accuracy=last("eval_mean_token_accuracy"),
             tokens_seen=self.throughput.tokens_seen,
-            plot_file=plot,
+            plot_file=os.path.basename(plot) if plot else None,
             repo_id=self.repo_id,
             base_model_folder=self.source.folder,
             wandb_url=wandb_url(),
+            write_to=folder,
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from hf_noloco.adapters.settings import adapter_summary
+from hf_noloco.adapters.settings import adapter_record, adapter_summary
 from hf_noloco.adapters.stage import add_adapters, trainable_state_dict
 from hf_noloco.components.checkpointer import RunCheckpointer
 from hf_noloco.components.evaluation import Evaluation
@@ -43,6 +44,7 @@ from hf_noloco.engine.stage import PipelineStage
 from hf_noloco.engine.tied import TiedEmbeddings
 from hf_noloco.outer.compression import wire_bytes
 from hf_noloco.outer.optimizer import OuterOptimizer, broadcast_replica_weights
+from hf_noloco.resilience.authentication import recipe_digest
 from hf_noloco.resilience.live_replicas import LiveReplicas
 from hf_noloco.resilience.policy import ReplicaLossPolicy, replica_loss_policy
 from hf_noloco.resilience.preemption import Preemption
@@ -127,6 +129,34 @@ class RunParts:
                 *(mesh.describe(), numel, lora, wire_bytes(numel, dtype), dtype),
             )
         return outer
+
+
+def run_recipe(args: NoLoCoConfig, source: BuiltStage, inputs: RunInputs, peft_config) -> dict:
+    """What a column joining the live run must share with it, or it would train another run: the model (its
+    config and source), the stage split, the outer optimizer's settings, the data (its arguments and the
+    training set's size), the mesh, the routing and seeds, the batch and the steps, the adapters."""
+    config = {k: v for k, v in source.stage.config.to_dict().items() if not k.startswith("_")}
+    config.pop("transformers_version", None)
+    data = inputs.data_args
+    rows = inputs.train_dataset
+    return {
+        "model": config,
+        "base_model": source.base_model,
+        "layer_ranges": [list(r) for r in source.stage.all_layer_ranges],
+        "outer": dataclasses.asdict(args.outer_settings),
+        "data": dataclasses.asdict(data) if data is not None else None,
+        "train_rows": len(rows) if hasattr(rows, "__len__") else None,
+        "mesh": [args.pipeline_stages, args.world_size],
+        "routing": [args.routing, args.routing_domain, args.routing_group_size, args.routing_seed],
+        "seeds": [args.seed, args.data_seed],
+        "batch": [
+            args.per_device_train_batch_size,
+            args.gradient_accumulation_steps,
+            args.microbatch_size,
+            args.max_steps,
+        ],
+        "adapter": adapter_record(peft_config),
+    }
 
 
 def _check_split(args: NoLoCoConfig, num_stages: int, forms, model, config: PretrainedConfig) -> None:
@@ -244,8 +274,9 @@ def build_run_parts(
     #    replica-loss policy starts this rank's heartbeat (and admits a joining column: its state comes here).
     mesh.set_timeout(args.p2p_timeout)
     live_replicas = LiveReplicas(mesh, engine, checkpointer, args.p2p_timeout, args.ddp_timeout)
+    recipe = recipe_digest(run_recipe(args, source, inputs, peft_config))  # a joiner must share it
     policy = replica_loss_policy(
-        args.on_replica_loss, mesh, args.p2p_timeout, live_replicas, args.joining, args.ddp_timeout
+        args.on_replica_loss, mesh, args.p2p_timeout, live_replicas, args.joining, args.ddp_timeout, recipe
     )
     preemption = Preemption(mesh, policy, args.enable_jit_checkpoint)  # SIGTERM: a checkpoint, then the end
     record = RunRecord(

@@ -45,7 +45,10 @@ def _local_data_files(path: str, data_files, data_dir: str | None) -> dict[str, 
         return {"train": [os.path.abspath(path)]}
     base = os.path.join(path, data_dir) if data_dir else path
     if data_files is None:
-        patterns = get_data_patterns(base)
+        try:
+            patterns = get_data_patterns(base)
+        except datasets.data_files.EmptyDatasetError:
+            raise ValueError(f"The folder {path!r} holds no file to read.") from None
     elif isinstance(data_files, dict):
         patterns = {split: [f] if isinstance(f, str) else list(f) for split, f in data_files.items()}
     else:
@@ -90,6 +93,29 @@ def _builder(files: dict[str, list[str]], what: str) -> tuple[str, dict]:
     [(module, options)] = modules
     # A .txt file is one row per paragraph (text separated by blank lines), not one per line.
     return module, {"sample_by": "paragraph"} if module == "text" else dict(options)
+
+
+def _read_local(builder: str, files: dict[str, list[str]], streaming: bool, options: dict, what: str):
+    """``datasets.load_dataset`` of local files, with what makes it fail named in one line: empty files, or
+    files that are not what their names say (the cause `datasets` wraps, e.g. the JSON error and where)."""
+    names = [name for group in files.values() for name in group]
+    empty = [name for name in names if os.path.getsize(name) == 0]
+    if empty and len(empty) == len(names):
+        raise ValueError(f"The dataset {what} is empty: {os.path.basename(empty[0])} holds no rows.")
+    quiet = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its builders log the error we report below
+    try:
+        return datasets.load_dataset(builder, data_files=files, streaming=streaming, **options)
+    except Exception as exc:  # noqa: BLE001 - `datasets` raises many types (and StopIteration): all named
+        cause = exc
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        line = (str(cause).strip().splitlines() or [""])[0][:300]
+        raise ValueError(
+            f"{what} cannot be read as {builder} files ({type(cause).__name__}{': ' + line if line else ''})."
+        ) from None
+    finally:
+        datasets.logging.set_verbosity(quiet)
 
 
 def _clean_paragraphs(batch: dict[str, list], dataset_text_field: str) -> dict[str, list]:
@@ -157,7 +183,7 @@ def load_text_dataset(
         else:
             files = _local_data_files(path, data_files, data_dir)
             builder, options = _builder(files, what)
-            dataset = datasets.load_dataset(builder, data_files=files, streaming=streaming, **options)
+            dataset = _read_local(builder, files, streaming, options, what)
             if builder == "text":
                 if dataset_text_field != "text":  # the text builder names its column "text"
                     dataset = dataset.rename_column("text", dataset_text_field)

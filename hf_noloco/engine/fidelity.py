@@ -71,9 +71,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
-from hf_noloco.engine.comm import peer_call
 from hf_noloco.engine.losses import IGNORE_INDEX, next_token_losses, target_token_count
 from hf_noloco.engine.partition import split_model
+from hf_noloco.engine.structured import broadcast_json
 
 # Widths of the shrunken copy: small enough that a forward and backward take milliseconds on one CPU thread.
 _SMALL = {
@@ -619,8 +619,7 @@ def verify_split(
             config, ranges, loss_chunk_tokens, attn_implementation=attention, forms=forms, dtype=dtype
         )
     if dist.get_world_size() > 1:
-        with peer_call("sharing the verdict of the split's proof"):
-            dist.broadcast_object_list(verdict, src=0)
+        verdict = [broadcast_json(verdict[0], src=0, what="sharing the verdict of the split's proof")]
     if verdict[0] is not None:
         raise ValueError(
             f"{verdict[0]} Refused before training: the pipeline would train another function than the "

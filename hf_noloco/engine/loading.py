@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from hf_noloco.engine.partition import split_model
 from hf_noloco.engine.stage import TIED_COPY, TIED_SOURCE, PipelineStage, ties_embeddings
+from hf_noloco.rules import looks_like_local_path
 
 
 def build_stage(
@@ -157,6 +158,11 @@ def resolve_checkpoint(
 ) -> str:
     """A local folder for ``model_name_or_path``: itself, or the Hub snapshot (at ``revision``) of its config,
     weights, generation config and tokenizer files, plus its Python files when ``trust_remote_code``."""
+    if looks_like_local_path(model_name_or_path) and not os.path.isdir(model_name_or_path):
+        raise ValueError(
+            f"model_name_or_path: no such folder {model_name_or_path!r} (a path that looks local is never "
+            "looked up on the Hub)."
+        )
     if os.path.isdir(model_name_or_path):
         if revision is not None:
             raise ValueError(
@@ -168,6 +174,50 @@ def resolve_checkpoint(
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt"] + (["*.py"] if trust_remote_code else [])
     return snapshot_download(model_name_or_path, revision=revision, allow_patterns=patterns)
+
+
+def check_model_folder(folder: str, what: str = "model_name_or_path") -> None:
+    """A model folder this package can read: a ``config.json`` that is a JSON object, and safetensors weights
+    whose headers read (each file's header is read, not its tensors). Raises ``ValueError`` naming the file
+    and the cause."""
+    config = os.path.join(folder, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(f"{what}: {folder!r} holds no config.json (not a Hugging Face model folder).")
+    try:
+        with open(config, encoding="utf-8") as f:
+            values = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{what}: {config} is not valid JSON ({exc}).") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise ValueError(f"{what}: {config} holds no model_type (not a model's config).")
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{what}: {index} is not a valid index ({type(exc).__name__}).") from None
+    else:
+        files = ["model.safetensors"] if os.path.isfile(os.path.join(folder, "model.safetensors")) else []
+    if not files:
+        raise ValueError(
+            f"{what}: no model.safetensors or model.safetensors.index.json in {folder}: hf_noloco loads "
+            "safetensors checkpoints only (re-save the model with `save_pretrained`)."
+        )
+    from safetensors import safe_open
+
+    for name in files:
+        path = os.path.join(folder, name)
+        if os.path.dirname(os.path.normpath(name)) or not os.path.isfile(path):
+            raise ValueError(f"{what}: {index} names {name!r}, which is not a file of {folder}.")
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            raise ValueError(
+                f"{what}: {path} is not a readable safetensors file ({type(exc).__name__}: {first})."
+            ) from None
 
 
 def weights_dtype(name: str | None, config: PretrainedConfig) -> torch.dtype:
@@ -234,6 +284,7 @@ def stage_from_source(
     folder = generation = None
     if isinstance(model, str):
         folder = resolve_checkpoint(model, init.get("revision"), trust)
+        check_model_folder(folder)
         config = load_config(folder, trust_remote_code=trust)
         if os.path.exists(os.path.join(folder, "generation_config.json")):
             generation = GenerationConfig.from_pretrained(folder)

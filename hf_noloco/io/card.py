@@ -211,8 +211,10 @@ def render_model_card(
     wandb_url: str | None = None,
     template_path: str | os.PathLike | None = None,
     mean_token_accuracy: float | None = None,
+    write_to: str | os.PathLike | None = None,
 ):
-    """Renders the model card and writes it as ``output_dir/README.md``.
+    """Renders the model card and writes it as ``output_dir/README.md`` (or into ``write_to``: the folder
+    the export is staged in before it moves to ``output_dir``).
 
     Args:
         output_dir: the exported checkpoint's folder.
@@ -234,6 +236,7 @@ def render_model_card(
         template_path: another Jinja template to use (default: :func:`default_template`).
         mean_token_accuracy: the final evaluation's share of target tokens predicted right (TRL's metric),
             ``None`` when not measured.
+        write_to: where ``README.md`` goes, when not ``output_dir`` (the card still names ``output_dir``).
 
     Returns:
         The ``huggingface_hub.ModelCard``.
@@ -312,6 +315,7 @@ def render_model_card(
         wandb_url=wandb_url,
         versions=library_versions(),
     )
-    os.makedirs(output_dir, exist_ok=True)
-    card.save(os.path.join(output_dir, "README.md"))
+    folder = os.fspath(write_to) if write_to is not None else output_dir
+    os.makedirs(folder, exist_ok=True)
+    card.save(os.path.join(folder, "README.md"))
     return card

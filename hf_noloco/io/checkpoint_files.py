@@ -45,10 +45,11 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_noloco.engine.comm import peer_call
 from hf_noloco.engine.mesh import PipelineMesh
+from hf_noloco.engine.structured import all_gather_json, broadcast_json
 from hf_noloco.io import reshard
 
 logger = logging.getLogger(__name__)
@@ -138,10 +139,11 @@ def write_checkpoint(
 
     final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f"tmp-{name}")
     if mesh.is_leader:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_leftovers(run_dir)
         os.makedirs(tmp)
     barrier()
     own_files = list(write_rank_state(tmp) or [])
+    sync_rank_files(tmp, mesh, own_files)  # on disk before they are hashed and the folder renamed
     write_rank_checksums(tmp, mesh, own_files)
     # Rank 0 renames the folder only when every rank has written its part. A monitored barrier (gloo) names
     # the ranks that did not get there; rank 0 then fails, and the others with it.
@@ -154,19 +156,166 @@ def write_checkpoint(
         barrier()
     if mesh.is_leader:
         write_shared_state(tmp)
+        for entry in os.listdir(tmp):
+            if os.path.isfile(os.path.join(tmp, entry)):
+                fsync_path(os.path.join(tmp, entry))
         write_checksums(tmp, [rank_folder_of(tmp, r % mesh.num_stages, r // mesh.num_stages) for r in ranks])
+        fsync_path(tmp)
     barrier()
     if mesh.is_leader:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        rotate_checkpoints(
-            output_dir=run_dir,
-            save_total_limit=save_total_limit,
-            best_model_checkpoint=best_model_checkpoint,
-            use_mtime=False,
-        )
+        publish_folder(tmp, final)
+        rotate(run_dir, final, save_total_limit, best_model_checkpoint)
     barrier()
     return final
+
+
+# ------------------------------------------------------------------------------------------- durability
+
+_REMOVED_PREFIX = "tmp-removed-"  # a checkpoint being deleted: renamed first, so it is never half there
+ABANDONED_PREFIX = "abandoned-"  # a checkpoint newer than the run's step (after a rollback): kept aside
+
+
+def fsync_path(path: str) -> None:
+    """Forces a file's data, or a folder's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_rank_files(checkpoint: str, mesh: PipelineMesh, own_files: Iterable[str] = ()) -> None:
+    """Every file this rank wrote into ``checkpoint`` (its rank folder, ``own_files`` beside it) on disk, and
+    the folders that name them."""
+    rank_dir = rank_folder(checkpoint, mesh)
+    for name in os.listdir(rank_dir):
+        fsync_path(os.path.join(rank_dir, name))
+    for name in own_files:
+        fsync_path(os.path.join(checkpoint, name))
+    fsync_path(rank_dir)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swaps two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where that is not
+    available."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def publish_folder(tmp: str, final: str) -> None:
+    """Renames the completed ``tmp`` to ``final``. An existing ``final`` (the same step saved again) is
+    swapped out in one step where the system can (Linux), else renamed aside first, and only then deleted:
+    ``final`` is never missing nor half deleted while an old copy of it is all there is."""
+    parent = os.path.dirname(final)
+    if not os.path.exists(final):
+        os.replace(tmp, final)
+    elif _exchange(tmp, final):
+        _remove(tmp)
+    else:
+        aside = os.path.join(parent, _REMOVED_PREFIX + os.path.basename(final))
+        _remove(aside)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        _remove(aside)
+    fsync_path(parent)
+
+
+def _remove(folder: str) -> None:
+    """Deletes ``folder``: renamed first (atomically out of every listing), then removed."""
+    if not os.path.exists(folder):
+        return
+    parent, name = os.path.split(os.path.normpath(folder))
+    doomed = folder if name.startswith(_REMOVED_PREFIX) else os.path.join(parent, _REMOVED_PREFIX + name)
+    if doomed != folder:
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_leftovers(run_dir: str) -> None:
+    """What a save or a deletion cut short left behind (``tmp-checkpoint-N``, ``tmp-removed-...``): never a
+    checkpoint (a save completes by its rename)."""
+    for name in os.listdir(run_dir):
+        if re.fullmatch(rf"tmp-({PREFIX_CHECKPOINT_DIR}-\d+|{_REMOVED_PREFIX[4:]}.+)", name):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def step_of(checkpoint: str) -> int:
+    return int(os.path.basename(os.path.normpath(checkpoint)).rsplit("-", 1)[1])
+
+
+def complete(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` holds its checksum record and every file the record lists, at its recorded
+    size: what rotation checks (cheap); a resume also checks each file's SHA-256 (:func:`resolve_resume`)."""
+    listed, problem = _listed_files(checkpoint)
+    if problem:
+        return False
+    for rel, expected in listed.items():
+        path = os.path.join(checkpoint, rel)
+        if not isinstance(expected, dict) or not os.path.isfile(path):
+            return False
+        if os.path.getsize(path) != expected.get("bytes"):
+            return False
+    return all(rel in listed for rel in _SHARED_FILES)
+
+
+def rotate(
+    run_dir: str, written: str, save_total_limit: int | None, best_model_checkpoint: str | None = None
+) -> list[str]:
+    """After ``written`` was saved: the checkpoints that go, by these rules (returns those deleted).
+
+    - A checkpoint of a higher step than ``written`` comes from a trajectory the run left (it resumed an
+      older checkpoint): it is moved aside to ``abandoned-checkpoint-N``, never deleted, so that a later
+      ``auto`` resume cannot pick it.
+    - ``save_total_limit`` (``None`` or below 1: no limit) keeps that many checkpoints, deleting the oldest
+      first, but never ``written``, never the newest complete one (``written`` itself unless it failed its
+      check, :func:`complete`), and never ``best_model_checkpoint``.
+    """
+    step = step_of(written)
+    removed: list[str] = []
+    for folder in completed_checkpoints(run_dir):
+        if step_of(folder) > step:
+            target = os.path.join(run_dir, ABANDONED_PREFIX + os.path.basename(folder))
+            _remove(target)
+            os.replace(folder, target)
+            logger.warning(
+                "%s is newer than %s, the checkpoint just written: it belongs to a trajectory this run left, "
+                "and is moved aside to %s.",
+                folder,
+                os.path.basename(written),
+                os.path.basename(target),
+            )
+    checkpoints = completed_checkpoints(run_dir)  # newest first
+    if not save_total_limit or save_total_limit < 1 or len(checkpoints) <= save_total_limit:
+        return removed
+    protected = {os.path.normpath(written)}
+    if best_model_checkpoint:
+        protected.add(os.path.normpath(best_model_checkpoint))
+    newest_complete = next((c for c in checkpoints if complete(c)), None)
+    if newest_complete is not None:
+        protected.add(os.path.normpath(newest_complete))
+    if newest_complete != written:
+        logger.warning(
+            "%s failed its completeness check after it was written: %s is kept.", written, newest_complete
+        )
+    keep = max(save_total_limit, len(protected & {os.path.normpath(c) for c in checkpoints}))
+    remaining = len(checkpoints)
+    for folder in reversed(checkpoints):  # the oldest first
+        if remaining <= keep:
+            break
+        if os.path.normpath(folder) not in protected:
+            _remove(folder)
+            removed.append(folder)
+            remaining -= 1
+    fsync_path(run_dir)
+    return removed
 
 
 def rank_weights(stage: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -331,6 +480,7 @@ def _write_json_atomically(path: str, record: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+    fsync_path(os.path.dirname(path) or ".")
 
 
 def write_rank_checksums(checkpoint: str, mesh: PipelineMesh, own_files: Iterable[str] = ()) -> None:
@@ -415,6 +565,20 @@ def _listed_files(checkpoint: str) -> tuple[dict | None, str | None]:
     return listed, None
 
 
+def recorded_files(checkpoint: str) -> list[str] | None:
+    """Every file of ``checkpoint`` its record lists, with the records themselves (what an upload of the
+    checkpoint sends); ``None`` when it has no readable record."""
+    listed, problem = _listed_files(checkpoint)
+    if problem:
+        return None
+    records = [CHECKSUMS]
+    for rel in listed:
+        own = os.path.join(os.path.dirname(rel), RANK_CHECKSUMS)
+        if os.path.dirname(rel) and os.path.isfile(os.path.join(checkpoint, own)):
+            records.append(own)
+    return sorted(set(listed) | set(records))
+
+
 def _check_files(checkpoint: str, listed: dict, names: Iterable[str], reader: str) -> str | None:
     name = os.path.basename(os.path.normpath(checkpoint))
     for rel in names:
@@ -463,9 +627,9 @@ def agreed_problems(checkpoint: str, mesh: PipelineMesh, layer_ranges=None) -> l
     """Every rank's verdict on ``checkpoint`` (:func:`verify_rank_files`), the same list on every rank.
     Collective: every rank calls it, so no rank can start training from a checkpoint another refuses."""
     mine = verify_rank_files(checkpoint, mesh, layer_ranges)
-    verdicts: list = [None] * dist.get_world_size()
-    with peer_call("the checkpoint's barrier and verdicts"):
-        dist.all_gather_object(verdicts, mine)
+    verdicts = all_gather_json(mine, what="the checkpoint's barrier and verdicts")
+    if not all(v is None or isinstance(v, str) for v in verdicts):
+        raise ValueError(f"Cannot resume {checkpoint}: a rank sent a malformed verdict.")
     return list(dict.fromkeys(v for v in verdicts if v))  # in rank order, each problem once
 
 
@@ -486,10 +650,10 @@ def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh, laye
         return requested
     # Rank 0's listing for all: ranks that saw different folders (a slow shared filesystem) would otherwise
     # call different numbers of collectives. A checkpoint a rank cannot see fails its check there.
-    box = [completed_checkpoints(run_dir) if mesh.rank == 0 else None]
-    with peer_call("the checkpoint's barrier and verdicts"):
-        dist.broadcast_object_list(box, src=0)
-    candidates = box[0]
+    listing = completed_checkpoints(run_dir) if mesh.rank == 0 else None
+    candidates = broadcast_json(listing, src=0, what="the checkpoint's barrier and verdicts")
+    if not isinstance(candidates, list) or not all(_is_checkpoint_of(c, run_dir) for c in candidates):
+        raise ValueError(f"Cannot resume from {run_dir}: rank 0 sent a malformed list of checkpoints.")
     skipped = []
     for candidate in candidates:
         problems = agreed_problems(candidate, mesh, layer_ranges)
@@ -511,6 +675,14 @@ def resolve_resume(run_dir: str, requested: str | bool, mesh: PipelineMesh, laye
             + " | ".join(f"{os.path.basename(c)}: {'; '.join(p)}" for c, p in skipped)
         )
     return None
+
+
+def _is_checkpoint_of(path, run_dir: str) -> bool:
+    """Whether ``path`` names a ``checkpoint-N`` folder directly inside ``run_dir``."""
+    if not isinstance(path, str):
+        return False
+    parent, name = os.path.split(path)
+    return parent == run_dir and re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", name) is not None
 
 
 def _move_aside(folder: str) -> None:

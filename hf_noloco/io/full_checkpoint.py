@@ -10,7 +10,7 @@ Collectives, in order (every rank calls :func:`save_consensus_checkpoint`):
 
 1. :func:`consensus_state_dict` — over ``mesh.replica_group``: all-reduce (mean) or broadcast (one replica).
 2. :func:`gather_full_state_dict` — the ranks of replica column 0 send their stage to rank ``dst``, tensor by
-   tensor (names, shapes and dtypes go first as one small object message).
+   tensor (names, shapes and dtypes go first as one small JSON message).
 3. Rank ``dst`` builds the model on the meta device, assigns the merged tensors, and saves safetensors.
 
 The model card and the training-curve plot that go beside it are :mod:`hf_noloco.io.card`'s.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,14 @@ from torch import nn
 from hf_noloco.engine.buffers import consecutive_buckets, flatten, unflatten_into
 from hf_noloco.engine.comm import peer_call
 from hf_noloco.engine.loading import compute_missing_buffers
+from hf_noloco.engine.structured import (
+    PeerDataError,
+    checked_dtype,
+    checked_shape,
+    dtype_name,
+    recv_json,
+    send_json,
+)
 from hf_noloco.rules import check_export_replica
 
 logger = logging.getLogger(__name__)
@@ -124,8 +131,8 @@ def gather_full_state_dict(
 
     Collective over the whole world: every rank calls it, but only the ranks of column 0
     (``mesh.rank_of(0, s)``) and ``dst`` take part; the others return ``None`` at once. Each sender first
-    sends one small object message (the list of ``(name, shape, dtype)``), then each tensor as its own
-    point-to-point message, so nothing but that metadata is pickled.
+    sends one small JSON message (the list of ``(name, shape, dtype)``), then each tensor as its own
+    point-to-point message; the metadata is JSON (:mod:`hf_noloco.engine.structured`), never pickled.
 
     Args:
         stage_state_dict: this rank's stage tensors (e.g. from :func:`consensus_state_dict`); ignored outside
@@ -146,9 +153,8 @@ def gather_full_state_dict(
     if rank != dst:
         if rank not in senders:
             return None
-        meta = [(name, tuple(t.shape), t.dtype) for name, t in stage_state_dict.items()]
-        with peer_call("the export's consensus and gather"):
-            dist.send_object_list([meta], dst=dst, group=group, device=device)
+        meta = [[name, list(t.shape), dtype_name(t.dtype)] for name, t in stage_state_dict.items()]
+        send_json(meta, dst, group, device, what="the export's consensus and gather")
         for tensor in stage_state_dict.values():  # one tensor at a time on the communication device
             with peer_call("the export's consensus and gather"):
                 dist.send(tensor.detach().to(device).contiguous(), dst=dst, group=group)
@@ -160,15 +166,31 @@ def gather_full_state_dict(
             for name, tensor in stage_state_dict.items():
                 merged[name] = tensor.detach().to("cpu", copy=True)
             continue
-        box: list[Any] = [None]
-        with peer_call("the export's consensus and gather"):
-            dist.recv_object_list(box, src=src, group=group, device=device)
-        for name, shape, dtype in box[0]:
+        meta = recv_json(src, group, device, what="the export's consensus and gather")
+        for name, shape, dtype in _checked_meta(meta, src, merged):
             tensor = torch.empty(shape, dtype=dtype, device=device)
             with peer_call("the export's consensus and gather"):
                 dist.recv(tensor, src=src, group=group)
             merged[name] = tensor.cpu()
     return merged
+
+
+def _checked_meta(meta, src: int, merged: dict) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The ``[name, shape, dtype]`` list a stage sent, each entry checked (a string name not yet merged, a
+    bounded shape, an allowed dtype) before any tensor is allocated for it."""
+    what = f"the export's tensor list from rank {src}"
+    if not isinstance(meta, list):
+        raise PeerDataError(f"{what}: not a list")
+    checked, names = [], set(merged)
+    for entry in meta:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+            raise PeerDataError(f"{what}: a malformed entry")
+        name, shape, dtype = entry
+        if name in names or len(name) > 1024:
+            raise PeerDataError(f"{what}: the tensor name {name[:100]!r} twice, or too long")
+        names.add(name)
+        checked.append((name, checked_shape(shape, what), checked_dtype(dtype, what)))
+    return checked
 
 
 def save_from_this_rank(model, output_dir: str) -> None:

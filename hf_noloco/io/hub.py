@@ -1,9 +1,12 @@
 """Publishing an exported NoLoCo checkpoint to the Hugging Face Hub.
 
-Tokens are resolved but never logged, printed or put into an error message. Only safetensors weights and
-text files are uploaded: pickled files (``*.bin``, ``*.pt``, ...), which the Trainer may leave in
-``output_dir`` (``training_args.bin``, optimizer states), and intermediate ``checkpoint-*`` folders are
-skipped.
+Tokens are resolved but never logged, printed or put into an error message; ``HF_TOKEN`` (or ``hf auth
+login``) is the way to give one (``hub_token`` puts it on a command line, which other users of the machine
+may read). What is uploaded is an allow-list, never a folder's whole content: the files an export's manifest
+lists (:mod:`hf_noloco.io.export_files`), or those a checkpoint's checksum record lists (``hub_strategy``
+``checkpoint``/``all_checkpoints``). Nothing else in ``output_dir`` goes: not ``checkpoint-*``, partial
+(``tmp-*``) or damaged (``skipped-*``) folders, dotfiles such as ``.env``, logs, ``wandb/``; and an export
+never uploads a pickled file (``*.bin``, ``*.pt``, ...) even if one were listed.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from hf_noloco.io.checkpoint_files import recorded_files
+from hf_noloco.io.export_files import exported_files
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMMIT_MESSAGE = "Upload model trained with hf_noloco (NoLoCo)"
 
-# Never published: pickles (arbitrary code on load), trainer checkpoints and local run logs.
+# Never published with an export, even if listed: pickles (arbitrary code on load), trainer checkpoints and
+# local run logs (a second guard behind the allow-list).
 IGNORE_PATTERNS = [
     "*.bin",
     "*.pt",
@@ -37,9 +44,31 @@ IGNORE_PATTERNS = [
 ]
 
 
-# What a checkpoint upload leaves out (``hub_strategy: checkpoint``): only a save's leftovers. Its tensors and
-# optimizer states are needed to resume elsewhere; a resume reads them with ``torch.load(weights_only=True)``.
-CHECKPOINT_IGNORE_PATTERNS = ["*.tmp", "tmp-*"]
+def upload_list(folder: str) -> list[str]:
+    """The files of ``folder`` (relative paths) that a push uploads: an export's, from its manifest, or a
+    checkpoint's, from its checksum record (its tensors and optimizer states are what a resume elsewhere
+    needs; it reads them with ``torch.load(weights_only=True)``)."""
+    files = exported_files(folder)
+    if files is None:
+        files = recorded_files(folder)
+    if files is None:
+        raise ValueError(
+            f"Cannot push {folder}: it holds neither an export's manifest nor a checkpoint's checksum record "
+            "(only what hf_noloco wrote and recorded is uploaded)."
+        )
+    return files
+
+
+def _allow_patterns(files: list[str]) -> list[str]:
+    """Patterns that match exactly ``files`` (fnmatch's special characters escaped)."""
+    escape = {"*": "[*]", "?": "[?]", "[": "[[]"}
+    return ["".join(escape.get(c, c) for c in name.replace(os.sep, "/")) for name in files]
+
+
+def describe_hub_error(exc: BaseException) -> str:
+    """An upload's error without anything it may carry (URLs, headers): its type and HTTP status."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return type(exc).__name__ + (f" (HTTP {status})" if status else "")
 
 
 def resolve_token(token: str | None = None) -> str | None:
@@ -85,17 +114,20 @@ def push_folder_to_hub(
     commit_message: str = DEFAULT_COMMIT_MESSAGE,
     revision: str | None = None,
     api: HfApi | None = None,
+    files: list[str] | None = None,
 ) -> str:
-    """Creates ``repo_id`` if needed and uploads ``folder`` to it in one commit (call it on one rank only).
+    """Creates ``repo_id`` if needed and uploads ``folder``'s export to it in one commit (call it on one rank
+    only).
 
     Args:
-        folder: the exported checkpoint (config, safetensors, tokenizer, README.md, plot).
+        folder: the exported checkpoint (config, safetensors, tokenizer, README.md, plot, manifest).
         repo_id: ``namespace/name`` (or ``name`` for the token's user).
         token: write token; default: ``HF_TOKEN`` or the saved login.
         private: visibility of a newly created repo (``None``: the Hub's default).
         commit_message: the commit's summary.
         revision: branch to push to (created from the default branch if missing).
         api: an ``HfApi`` to use (tests point one at a local server).
+        files: the files to upload (default: :func:`upload_list`).
 
     Returns:
         The URL of the commit.
@@ -103,19 +135,21 @@ def push_folder_to_hub(
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"Cannot push {folder}: not a folder (export the model first).")
+    files = upload_list(folder) if files is None else files
     api = api if api is not None else HfApi()
     token = resolve_token(token) if api.token is None else (token or api.token)
     repo_url = api.create_repo(repo_id, token=token, private=private, exist_ok=True, repo_type="model")
     repo_id = repo_url.repo_id or repo_id  # the Hub fills in the user namespace of a bare name
     if revision is not None:
         api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
-    logger.info("Uploading %s to the Hub repository %s", folder, repo_id)  # no token here, ever
+    logger.info("Uploading %d files of %s to the Hub repository %s", len(files), folder, repo_id)  # no token
     commit = api.upload_folder(
         repo_id=repo_id,
         folder_path=folder,
         commit_message=commit_message,
         revision=revision,
         token=token,
+        allow_patterns=_allow_patterns(files),
         ignore_patterns=list(IGNORE_PATTERNS),
     )
     logger.info("Pushed to %s", commit.commit_url)
@@ -172,12 +206,15 @@ def upload_in_background(
     token: str | None = None,
     revision: str | None = None,
     path_in_repo: str | None = None,
-    ignore_patterns: list[str] | None = None,
     api: HfApi | None = None,
+    files: list[str] | None = None,
+    checkpoint: bool = False,
 ) -> Future:
-    """Uploads ``folder`` in one commit on a background thread, as the Trainer's pushes at a save do (training
-    goes on meanwhile); returns the upload's future. Call it on one rank."""
+    """Uploads ``folder``'s listed files (:func:`upload_list`, or ``files``) in one commit on a background
+    thread, as the Trainer's pushes at a save do (training goes on meanwhile); returns the upload's future.
+    ``checkpoint``: a checkpoint folder, whose optimizer states (``*.pt``) go too. Call it on one rank."""
     api = api if api is not None else HfApi()
+    files = upload_list(folder) if files is None else files
     logger.info("Uploading %s to the Hub repository %s in the background", folder, repo_id)  # no token
     return api.upload_folder(
         repo_id=repo_id,
@@ -186,6 +223,7 @@ def upload_in_background(
         commit_message=commit_message,
         token=resolve_token(token),
         revision=revision,
-        ignore_patterns=list(IGNORE_PATTERNS if ignore_patterns is None else ignore_patterns),
+        allow_patterns=_allow_patterns(files),
+        ignore_patterns=None if checkpoint else list(IGNORE_PATTERNS),
         run_as_future=True,
     )

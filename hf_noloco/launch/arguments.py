@@ -9,7 +9,13 @@ import os
 from dataclasses import dataclass
 
 from hf_noloco.docstrings import help_from_docstring
-from hf_noloco.rules import AttnImplementation, WeightDtype, check_lora_values, check_lora_variant
+from hf_noloco.rules import (
+    AttnImplementation,
+    WeightDtype,
+    check_lora_values,
+    check_lora_variant,
+    looks_like_local_path,
+)
 
 # model_config sizes that must be positive integers (transformers would fail later, in its own words)
 _MODEL_SIZES = (
@@ -142,6 +148,21 @@ class ModelArguments:
                     "use_peft fine-tunes LoRA adapters on a pretrained model: give model_name_or_path (a "
                     "model from scratch has nothing worth freezing)."
                 )
+        for name in ("model_name_or_path", "tokenizer_name_or_path", "chat_template_path"):
+            path = getattr(self, name)
+            if (
+                path is not None
+                and looks_like_local_path(path)
+                and not os.path.exists(os.path.expanduser(path))
+            ):
+                raise ValueError(
+                    f"{name}: no such file or folder {path!r} (a path that looks local is never looked up on "
+                    "the Hub)."
+                )
+        if self.model_name_or_path is not None and os.path.isdir(self.model_name_or_path):
+            from hf_noloco.engine.loading import check_model_folder
+
+            check_model_folder(self.model_name_or_path)  # on every rank, before any process group
         if self.model_revision is not None and self.model_name_or_path is None:
             raise ValueError("model_revision applies to model_name_or_path, not to a model_config.")
         if self.model_config is not None:

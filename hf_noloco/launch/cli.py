@@ -38,6 +38,10 @@ from hf_noloco.resilience.preemption import PREEMPTED_EXIT_STATUS
 from hf_noloco.rules import check_merge_adapter, check_model_init_kwargs, check_streamed_training
 
 MODEL_SOURCES = ("model_name_or_path", "model_config")
+# A folder holding none of these has no tokenizer (transformers would look further, and say less).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# Options whose values are never shown in an error (nor those of options the parser does not know).
+_SECRET_WORDS = ("token", "secret", "password", "api_key")
 
 
 class ConfigError(ValueError):
@@ -77,6 +81,10 @@ class NoLoCoArgumentParser(HfArgumentParser):
 
     def error(self, message):
         message = re.sub(r"(--[\w]+)/--[\w-]+", r"\1", message).rstrip(".")  # drop the --dashed-alias
+        option = re.match(r"argument (--[\w-]+)", message)
+        secret = option and any(word in option.group(1).lower() for word in _SECRET_WORDS)
+        if secret and "invalid" in message:  # argparse shows the value it refused
+            message = f"argument {option.group(1)}: invalid value (not shown)"
         if message.endswith("expected one argument"):
             message += " (a value starting with '-', such as -1e-8, is written --key=-1e-8)"
         raise ConfigError(
@@ -108,9 +116,11 @@ class NoLoCoArgumentParser(HfArgumentParser):
                     f"Unexpected argument {unknown[0]!r}: give a recipe .yaml file first (or --config "
                     "RECIPE), then --key value overrides."
                 )
-            hint = self._suggestion(unknown[0].lstrip("-").split("=")[0])
+            names = [a.split("=")[0] for a in unknown if a.startswith("-")]
+            hint = self._suggestion(names[0].lstrip("-"))
             raise ConfigError(
-                f"Unknown options: {' '.join(unknown)}.{hint} `hf-noloco-train --help` lists the valid ones."
+                f"Unknown options: {' '.join(names)} (their values are not shown).{hint} `hf-noloco-train "
+                "--help` lists the valid ones."
             )
         return namespace
 
@@ -220,6 +230,12 @@ def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, NoLoCoCo
         ValueError (a :class:`ConfigError` for the command line itself) naming the bad option.
     """
     parser = NoLoCoArgumentParser()
+    if any(a.split("=")[0] == "--hub_token" for a in argv) and os.environ.get("RANK", "0") == "0":
+        print(
+            "warning: --hub_token puts the token on the command line, where other users of this machine can "
+            "read it (ps, /proc); set the HF_TOKEN environment variable (or run `hf auth login`) instead.",
+            file=sys.stderr,
+        )
     model_args, data_args, namespace = _parse_and_check(parser, argv)
     return model_args, data_args, parser.build(NoLoCoConfig, namespace)
 
@@ -388,15 +404,22 @@ def _load_tokenizer(model_args: ModelArguments, data_args: DataArguments, config
     if name is not None:
         same_repo = model_args.tokenizer_name_or_path in (None, model_args.model_name_or_path)
         revision = model_args.model_revision if same_repo else None
+        if os.path.isdir(name) and not any(os.path.exists(os.path.join(name, f)) for f in TOKENIZER_FILES):
+            raise ValueError(
+                f"No tokenizer could be loaded from {name!r}: the folder holds none of "
+                f"{', '.join(TOKENIZER_FILES)}; give tokenizer_name_or_path, or pretrain from scratch "
+                "(model_config) to train one."
+            )
         try:
             return AutoTokenizer.from_pretrained(
                 name, revision=revision, trust_remote_code=model_args.trust_remote_code
             )
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - tokenizers and transformers raise many types; all named
+            cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
             raise ValueError(
-                f"No tokenizer could be loaded from {name!r}: give tokenizer_name_or_path, or pretrain from "
-                "scratch (model_config) to train one."
-            ) from exc
+                f"No tokenizer could be loaded from {name!r} ({type(exc).__name__}: {cause}). Give "
+                "tokenizer_name_or_path, or pretrain from scratch (model_config) to train one."
+            ) from None
     # From scratch: rank 0 trains a BPE tokenizer on the training documents; the others load it.
     folder = os.path.join(config.output_dir, "tokenizer")
     if config.joining:  # a column joining a live run loads the run's (its stand-in group has no barrier)
@@ -415,6 +438,10 @@ def _load_tokenizer(model_args: ModelArguments, data_args: DataArguments, config
             return train_bpe_tokenizer(
                 train_docs[data_args.dataset_text_field], model_args.tokenizer_vocab_size, folder
             )
+    if not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        # Rank 0 failed before it wrote the tokenizer: the same documents give this rank the same error.
+        documents(data_args, config.seed)
+        raise ValueError(f"Rank 0 did not write the tokenizer trained from scratch into {folder}.")
     return AutoTokenizer.from_pretrained(folder)
 
 

@@ -29,6 +29,14 @@ Each process gets what torchrun would give it (``RANK = column * stages + stage`
 stages``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` = the store) and joins the store as a client
 (``TORCHELASTIC_USE_AGENT_STORE=True``), as torchrun's workers join their agent's. The launcher exits with the
 first non-zero exit status of its processes (128 + the signal for one killed), else 0.
+
+The store listens on ``--bind`` only (default: the address of ``--store``), and proves the run's secret to
+every worker, which refuses to start on a store that cannot (:mod:`hf_noloco.resilience.authentication`).
+The store's host generates the secret into ``--secret-file`` (default:
+``~/.config/hf_noloco/run-secret-PORT``, readable by its user only) unless ``HF_NOLOCO_RUN_SECRET`` gives
+one; every column's launch reads it from the same place (or ``HF_NOLOCO_RUN_SECRET``,
+``HF_NOLOCO_RUN_SECRET_FILE``). The secret is never printed, and never on a command line.
+``docs/security.md`` says who must be trusted.
 """
 
 from __future__ import annotations
@@ -39,9 +47,19 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
 
 from hf_noloco.resilience.joining import JOIN_ENV
+from hf_noloco.resilience.run_secret import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    SecretError,
+    StoreBindError,
+    env_secret,
+    new_secret,
+    read_secret,
+    secret_path,
+    write_secret,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,12 +98,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "drops the column), then start the column again with --join, up to N times: a column restarted in "
         "place rejoins the live run. Not with --host-store (the store would go with the failed column).",
     )
+    parser.add_argument(
+        "--bind",
+        metavar="ADDRESS",
+        help="With --host-store or --store-only: the address the store listens on (default: the HOST of "
+        "--store; 0.0.0.0 or :: for every interface). Keep it on the network the run's machines share.",
+    )
+    parser.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help=f"The file holding the run's secret (default: ${SECRET_FILE_ENV}, else "
+        "~/.config/hf_noloco/run-secret-PORT). The store's host writes a new one there (readable by its user "
+        f"only) unless ${SECRET_ENV} gives it; every column reads it from there.",
+    )
     parser.add_argument("--linger", type=float, default=10.0, help="See --host-store (seconds).")
     parser.add_argument(
         "--start-timeout",
         type=float,
         default=3600.0,
-        help="With --store-only: seconds to wait for the first worker's heartbeat before giving up.",
+        help="With --store-only: seconds to wait for the first worker's heartbeat before giving up; for a "
+        "column's launch, for the run's secret to appear in --secret-file (the store's host writes it).",
     )
     parser.add_argument("--column", type=int, help="This replica column, in [0, --columns).")
     parser.add_argument("--columns", type=int, required=True, help="Replica columns in the run (dp).")
@@ -98,7 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     host, _, port = args.store.rpartition(":")
     if not host or not port.isdigit():
         parser.error(f"--store must be HOST:PORT, got {args.store!r}.")
-    args.host, args.port = host, int(port)
+    args.host, args.port = host.strip("[]"), int(port)
+    args.bind = args.host if args.bind is None else args.bind
+    args.secret_file_given = bool(args.secret_file or os.environ.get(SECRET_FILE_ENV))
+    args.secret_file = args.secret_file or os.environ.get(SECRET_FILE_ENV) or secret_path(args.port)
     if args.columns < 1 or args.stages < 1:
         parser.error("--columns and --stages must be positive.")
     if args.store_only:
@@ -116,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def worker_env(args: argparse.Namespace, stage: int) -> dict[str, str]:
+def worker_env(args: argparse.Namespace, stage: int, secret: str | None = None) -> dict[str, str]:
     env = dict(
         os.environ,
         RANK=str(args.column * args.stages + stage),
@@ -129,6 +164,10 @@ def worker_env(args: argparse.Namespace, stage: int) -> dict[str, str]:
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
     env.pop("TORCHELASTIC_RUN_ID", None)  # not an elastic agent: nothing restarts these processes
+    if secret is not None:  # the host's workers start before the file is written (never a command line)
+        env[SECRET_ENV] = secret
+    elif SECRET_ENV not in env:
+        env[SECRET_FILE_ENV] = args.secret_file
     if args.join:
         env[JOIN_ENV] = "1"
     if args.stages > 1:
@@ -136,27 +175,79 @@ def worker_env(args: argparse.Namespace, stage: int) -> dict[str, str]:
     return env
 
 
-def host_store(port: int):
-    import torch.distributed as dist
+_HOSTED: list = []
 
-    return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
+
+def host_store(args: argparse.Namespace, secret: str):
+    """Hosts the run's store on ``--bind`` and proves ``secret``; returns a connection that reads the run's
+    sealed records (the heartbeats)."""
+    from hf_noloco.resilience.authentication import host_run_store
+
+    store, records, _ = host_run_store(args.bind, args.port, secret.encode())
+    _HOSTED.append(store)  # kept alive as long as the launcher runs
+    return records
+
+
+def host_secret(args: argparse.Namespace) -> str:
+    """The store host's secret: ``HF_NOLOCO_RUN_SECRET``, or the file given (``--secret-file``,
+    ``HF_NOLOCO_RUN_SECRET_FILE``) when it exists, else a new one for this run (written to the file once the
+    store's port is bound: :func:`publish_secret`)."""
+    given = env_secret()
+    if given is None and args.secret_file_given:
+        found = read_secret(args.secret_file)
+        given = found[0].decode() if found else None
+    args.secret_is_new = given is None
+    return given if given is not None else new_secret()
+
+
+def publish_secret(args: argparse.Namespace, secret: str) -> None:
+    if not args.secret_is_new:
+        return
+    write_secret(args.secret_file, secret)
+    print(
+        f"column_launch: the run's secret is in {args.secret_file} (readable by this user only); every "
+        "column's launch reads it from the same path on its machine (copy the file there, or set "
+        f"{SECRET_FILE_ENV}).",
+        flush=True,
+    )
+
+
+def check_secret(args: argparse.Namespace, wait: float) -> None:
+    """A column's launch that does not host the store: the secret must be there (its workers read it), or
+    appear within ``wait`` seconds (the store's host, started at the same time, writes it)."""
+    deadline, told = time.monotonic() + wait, False
+    while read_secret(args.secret_file) is None:
+        if time.monotonic() > deadline:
+            raise SecretError(
+                f"no secret for the run's store at {args.host}:{args.port}: not in {SECRET_ENV}, nor in "
+                f"{args.secret_file} (the store's host writes it there: copy it to this machine, or give "
+                f"--secret-file or {SECRET_FILE_ENV})."
+            )
+        if not told:
+            print(f"column_launch: waiting for the run's secret in {args.secret_file}", flush=True)
+            told = True
+        time.sleep(0.2)
 
 
 def serve_until_idle(store, world_size: int, linger: float, start_timeout: float | None = None) -> bool:
-    """Keeps the store up while any worker of the run still beats its heartbeat (comm.PeerWatch).
+    """Keeps the store up while any worker of the run still beats its heartbeat (comm.PeerWatch), its count
+    read from the sealed records (a forged or replayed one never counts).
     ``start_timeout``: first wait that long for a first heartbeat (a store started before its workers);
     returns False when none came."""
+    from hf_noloco.resilience.authentication import read_counts
+
     keys = [f"hf_noloco/0/beat/{rank}" for rank in range(world_size)]
     started = time.monotonic()
-    while start_timeout is not None and not any(store.add(key, 0) for key in keys):
+    while start_timeout is not None and not any(read_counts(store, keys)):
         if time.monotonic() - started > start_timeout:
             return False
         time.sleep(0.5)
-    last, changed = None, time.monotonic()
+    highest, changed = [0] * world_size, time.monotonic()
     while True:
-        beats = [store.add(key, 0) for key in keys]
-        if beats != last:
-            last, changed = beats, time.monotonic()
+        beats = read_counts(store, keys)
+        if any(b is not None and b > h for b, h in zip(beats, highest)):
+            highest = [max(h, b or 0) for b, h in zip(beats, highest)]
+            changed = time.monotonic()
         elif time.monotonic() - changed > linger:  # (none ever beat: the run failed before training)
             return True
         time.sleep(0.5)
@@ -164,9 +255,19 @@ def serve_until_idle(store, world_size: int, linger: float, start_timeout: float
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return _launch(args)
+    except (SecretError, StoreBindError) as exc:
+        print(f"error: column_launch: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _launch(args: argparse.Namespace) -> int:
     if args.store_only:
-        store = host_store(args.port)
-        print(f"column_launch: serving the run's store on port {args.port}", flush=True)
+        secret = host_secret(args)
+        store = host_store(args, secret)
+        publish_secret(args, secret)
+        print(f"column_launch: serving the run's store on {args.bind}:{args.port}", flush=True)
         if not serve_until_idle(store, args.columns * args.stages, args.linger, args.start_timeout):
             print(f"column_launch: no worker beat within {args.start_timeout:g} s", file=sys.stderr)
             return 1
@@ -174,10 +275,21 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, args.script, *args.script_args]
     if args.script == "-m":
         command = [sys.executable, "-m", *args.script_args]
+    secret = host_secret(args) if args.host_store else None
+    if secret is None:
+        check_secret(args, args.start_timeout)
     # The workers first: they import for seconds before they connect (and keep trying until the store is up),
     # while this process imports torch to host the store.
-    procs = [subprocess.Popen(command, env=worker_env(args, stage)) for stage in range(args.stages)]
-    store = host_store(args.port) if args.host_store else None
+    procs = [subprocess.Popen(command, env=worker_env(args, stage, secret)) for stage in range(args.stages)]
+    store = None
+    if args.host_store:
+        try:
+            store = host_store(args, secret)
+        except StoreBindError:
+            for p in procs:
+                p.kill()
+            raise
+        publish_secret(args, secret)
     rejoins = args.rejoin
 
     def forward(signum, frame):
@@ -196,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
             f"column_launch: column {args.column} failed ({codes}); starting it again with --join", flush=True
         )
         args.join = True
-        procs[:] = [subprocess.Popen(command, env=worker_env(args, stage)) for stage in range(args.stages)]
+        procs[:] = [
+            subprocess.Popen(command, env=worker_env(args, stage, secret)) for stage in range(args.stages)
+        ]
         codes = [p.wait() for p in procs]
     if store is not None:
         serve_until_idle(store, args.columns * args.stages, args.linger)

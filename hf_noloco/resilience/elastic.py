@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hf_noloco.engine.comm import peer_call
+from hf_noloco.engine.structured import all_gather_json
 
 _attempt: int | None = None  # this worker's attempt (1 = the first start), when counted in the agent's store
 
@@ -79,7 +79,5 @@ def agreed_restart(mesh) -> bool:
     :func:`restartable`."""
     if not restartable():
         return False  # no agent that restarts workers: no collective
-    views: list = [None] * mesh.world_size
-    with peer_call(f"{mesh.describe()}: agreeing whether the job was restarted"):
-        dist.all_gather_object(views, is_restart())
-    return any(views)
+    views = all_gather_json(is_restart(), what=f"{mesh.describe()}: agreeing whether the job was restarted")
+    return any(view is True for view in views)

@@ -38,6 +38,7 @@ def join_live_run(timeout_s: float) -> bool:
     did (only when no group is initialised yet). Called for a joining process only."""
     import torch.distributed as dist
 
+    from hf_noloco.resilience.authentication import default_group_store
     from hf_noloco.resilience.elastic import launcher_store
 
     if dist.is_initialized():
@@ -60,7 +61,7 @@ def join_live_run(timeout_s: float) -> bool:
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
         _ABSENT,
-        store=dist.PrefixStore("default_pg", store),
+        store=default_group_store(store),  # as the live ranks' (authenticated: resilience/authentication.py)
         rank=rank,
         world_size=world_size,
         timeout=timeout,

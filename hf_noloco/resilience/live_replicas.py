@@ -30,6 +30,13 @@ from hf_noloco.resilience.transfer import recv_state, send_state
 logger = logging.getLogger(__name__)
 
 
+def state_bound(stage) -> int:
+    """The most bytes of tensors a joiner accepts from its donor: its stage's weights in float32, 16 times
+    (the weights, their float32 masters, the inner optimizer's moments, the slow weights, the momentum and
+    the error feedback of each quantity sent, with room to spare), plus 64 MiB of small state."""
+    return 16 * 4 * sum(t.numel() for t in stage.state_dict().values()) + (64 << 20)
+
+
 class JoinState(Protocol):
     """A rank's whole state as a joining column needs it."""
 
@@ -97,7 +104,10 @@ class LiveReplicas:
 
     def _receive(self, donor: int) -> None:
         mesh, started = self.mesh, time.monotonic()
-        state, received = recv_state(donor, mesh.world_group, mesh.device, mesh.timeout, mesh.describe_rank)
+        bound = state_bound(self.engine.stage)
+        state, received = recv_state(
+            donor, mesh.world_group, mesh.device, mesh.timeout, mesh.describe_rank, max_bytes=bound
+        )
         self.resume_folder, step = self.states.write_join_state(state)
         self._record("received from", donor, received, started, step)
 

@@ -153,6 +153,7 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
             draws over the replicas, and copies a joined column's state).
         joining / admission_timeout: this rank joins a live run (see
             :class:`~hf_noloco.resilience.membership.Membership`).
+        recipe: the digest of the run's recipe, which a joining column must share.
     """
 
     continues = True
@@ -165,6 +166,7 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
         on_change: Callable[[int, list[int], list[int], list[int]], None],
         joining: bool = False,
         admission_timeout: float = 3600.0,
+        recipe: str = "",
     ):
         super().__init__(mesh, watch, p2p_timeout)
         self.membership = Membership(
@@ -176,6 +178,7 @@ class ContinueAfterReplicaLoss(ReplicaLossPolicy):
             on_change=on_change,
             joining=joining,
             admission_timeout=admission_timeout,
+            recipe=recipe,
         )
 
     @property
@@ -247,14 +250,17 @@ def replica_loss_policy(
     on_change: Callable[[int, list[int], list[int], list[int]], None],
     joining: bool = False,
     admission_timeout: float = 3600.0,
+    recipe: str = "",
 ) -> ReplicaLossPolicy:
     """The policy of ``on_replica_loss`` (``action``), with this rank's heartbeat started (and, ``joining``,
-    this rank admitted into the live run)."""
+    this rank admitted into the live run, if its ``recipe`` digest is the run's)."""
     continuing = action == "continue"
     # The heartbeat has a store connection of its own: a store client runs one operation at a time, and
     # making a process group, NCCL's lazy set-up of a communicator and the store-based barrier hold the shared
     # one for seconds, which would silence the heartbeat meanwhile (and the watcher abort a healthy job).
     watch = PeerWatch(mesh.rank, mesh.world_size, own_connection=True, beating=not joining)
     if continuing:
-        return ContinueAfterReplicaLoss(mesh, watch, p2p_timeout, on_change, joining, admission_timeout)
+        return ContinueAfterReplicaLoss(
+            mesh, watch, p2p_timeout, on_change, joining, admission_timeout, recipe
+        )
     return ReplicaLossPolicy(mesh, watch, p2p_timeout)

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hf_noloco.engine.comm import PeerError, is_lost_peer
+from hf_noloco.resilience.authentication import authenticated, default_store_connection, read_counts
 
 
 class PeerWatch:
@@ -71,6 +72,7 @@ class PeerWatch:
         except Exception:  # noqa: BLE001 - no store (e.g. a custom init): no diagnosis, plain errors
             self.store = None
             return
+        self.store = authenticated(self.store)  # records sealed and checked (resilience/authentication.py)
         self._thread = threading.Thread(target=self._beat, name="hf_noloco-heartbeat", daemon=True)
         if beating:
             self._thread.start()
@@ -85,9 +87,15 @@ class PeerWatch:
             self._thread.start()
 
     def _beat(self) -> None:
+        key = f"{self._prefix}/beat/{self.rank}"
+        try:  # a sealed count (a counter cannot carry a MAC); a joiner goes on from its predecessor's
+            count = read_counts(self.store, [key])[0] or 0
+        except Exception:  # noqa: BLE001 - store gone: nothing left to tell
+            return
         while not self._stop.is_set():
+            count += 1
             try:
-                self.store.add(f"{self._prefix}/beat/{self.rank}", 1)
+                self.store.set(key, str(count))
             except Exception:  # noqa: BLE001 - store gone: nothing left to tell
                 return
             self._stop.wait(self.interval)
@@ -108,16 +116,16 @@ class PeerWatch:
         seen: dict[int, tuple[int, float]] = {}
         while not self._stop.wait(self.interval):
             try:
-                beats = [self.store.add(key, 0) for key in keys]
+                beats = read_counts(self.store, keys)
             except Exception:  # noqa: BLE001 - the store is gone: nothing left to watch
                 return
             now = time.monotonic()
             silent = []
             for rank, beat in zip(peers, beats):
                 last = seen.get(rank)
-                if last is None or last[0] != beat:
-                    seen[rank] = (beat, now)
-                elif beat and now - last[1] >= silence:  # a peer that never beat is still starting
+                if last is None or (beat is not None and beat > last[0]):  # (a forged count never moves)
+                    seen[rank] = (beat or 0, now)
+                elif last[0] and now - last[1] >= silence:  # a peer that never beat is still starting
                     silent.append(rank)
             if silent:
                 self.lost = silent
@@ -186,36 +194,43 @@ class PeerWatch:
         others = [r for r in range(self.world_size) if r != self.rank]
         try:
             while time.monotonic() < deadline:
-                before = {r: self.store.add(f"{self._prefix}/beat/{r}", 0) for r in others}
+                before = dict(zip(others, self._beats(others)))
                 time.sleep(3 * self.interval)
+                now = dict(zip(others, self._beats(others)))
                 others = [
                     r
                     for r in others
-                    if not self.store.check([f"{self._prefix}/failing/{r}"])
-                    and self.store.add(f"{self._prefix}/beat/{r}", 0) != before[r]
+                    if self.store.read(f"{self._prefix}/failing/{r}") is None
+                    and now[r] is not None
+                    and now[r] > (before[r] or 0)
                 ]
                 if not others:
                     return
         except Exception:  # noqa: BLE001 - the store is failing too: nothing to hold
             return
 
+    def _beats(self, ranks) -> list[int | None]:
+        return read_counts(self.store, [f"{self._prefix}/beat/{r}" for r in ranks])
+
     def _lost_peers(self) -> list[int]:
-        beats = lambda: [self.store.add(f"{self._prefix}/beat/{r}", 0) for r in range(self.world_size)]
-        before = beats()
+        before = self._beats(range(self.world_size))
         time.sleep(3 * self.interval)
-        after = beats()
+        after = self._beats(range(self.world_size))
         return [
             r
             for r in range(self.world_size)
             if r != self.rank
-            and after[r] == before[r]
-            and not self.store.check([f"{self._prefix}/failing/{r}"])
+            and not (after[r] is not None and after[r] > (before[r] or 0))
+            and self.store.read(f"{self._prefix}/failing/{r}") is None
         ]
 
 
 def _second_connection(store: dist.Store) -> dist.Store:
     """A new client connection to the TCPStore behind ``store`` (keys without the process group's prefix),
     or ``store`` itself when it is not a TCPStore."""
+    own = default_store_connection()  # the default group was made on an authenticated store
+    if own is not None:
+        return own
     base = store
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store

@@ -24,7 +24,7 @@ from hf_noloco.engine.routing import Router
 from hf_noloco.launch.local_launch import free_port
 from hf_noloco.outer.gossip import gossip_groups, live_gossip_groups
 from hf_noloco.resilience.membership import live_after_loss
-from tests.helpers.fault_runs import FAULT_TRAIN, launch
+from tests.helpers.fault_runs import FAULT_TRAIN, RUN_SECRET, launch
 
 WORLD, STAGES, MAX_STEPS = 8, 2, 12  # dp = 4 replica columns of 2 stages; outer steps after steps 3, 6, 9, 12
 JOIN_STEPS = 12  # a replacement column joins after the loss at step 5, and trains on
@@ -213,6 +213,7 @@ def test_a_replacement_column_joins_the_live_run_and_trains_on_with_four_replica
     port = free_port()
     env = dict(os.environ, **{k: v for k, v in CONTINUE.items() if k != "TORCHELASTIC_USE_AGENT_STORE"})
     env.update(MAX_STEPS=str(JOIN_STEPS), RECORD_STEPS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["HF_NOLOCO_RUN_SECRET"] = RUN_SECRET  # every launch's (the store proves it to each worker)
     store = ["--store", f"127.0.0.1:{port}", "--columns", "4", "--stages", str(STAGES)]
     module = [sys.executable, "-m", "hf_noloco.column_launch", *store]
     commands = {"store": [*module, "--store-only", "--linger", "3"]}

@@ -91,12 +91,16 @@ def _stopped(pid):
     return _state(pid) == "T"
 
 
+# The run's store, bound to loopback, proving the run's secret (HF_NOLOCO_RUN_SECRET) as column_launch's does.
 _HOST_STORE = (
-    "import sys, time, torch.distributed as dist\n"
-    "store = dist.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False)\n"
+    "import os, sys, time\n"
+    "from hf_noloco.resilience.authentication import host_run_store\n"
+    "hosted = host_run_store('127.0.0.1', int(sys.argv[1]), os.environ['HF_NOLOCO_RUN_SECRET'].encode())\n"
     "print('ready', flush=True)\n"
     "time.sleep(3600)\n"
 )
+# The secret of the runs these helpers start (a test's own: never a real run's).
+RUN_SECRET = "fault-runs-test-secret-" + "0123456789abcdef" * 2
 
 
 @contextlib.contextmanager
@@ -104,13 +108,18 @@ def store_process():
     """A store hosted by a process of its own (no worker hosts it, as under an agent), yielding its port. Not
     hosted in this process: forking it while its store's server thread runs can leave a child deadlocked."""
     port = free_port()
-    host = subprocess.Popen([sys.executable, "-c", _HOST_STORE, str(port)], stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, HF_NOLOCO_RUN_SECRET=RUN_SECRET)
+    host = subprocess.Popen(
+        [sys.executable, "-c", _HOST_STORE, str(port)], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert host.stdout.readline().strip() == "ready"
         os.environ["STORE_PID"] = str(host.pid)  # the ranks forked meanwhile inherit it (FAULT=kill-store)
+        os.environ["HF_NOLOCO_RUN_SECRET"] = RUN_SECRET  # and the secret the store proves
         yield port
     finally:
         os.environ.pop("STORE_PID", None)
+        os.environ.pop("HF_NOLOCO_RUN_SECRET", None)
         host.kill()
         host.wait()
 

@@ -14,7 +14,8 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), or call :func:`run` in a process whos
     nan-loss    the stage output of one microbatch of ``step`` becomes NaN (use on the last stage)
     nan-grad    one gradient entry becomes NaN after the backward of ``step``
 ``ON_REPLICA_LOSS`` (stop|continue), ``MAX_STEPS``, ``EXPORT`` (1: export to OUT/export after training),
-``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds), ``RECORD_STEPS`` (1: record each step's weights and
+``NONFINITE`` (error|skip), ``P2P_TIMEOUT`` (seconds), ``PIPELINE_STAGES`` (2), ``INNER_STEPS`` (3: the outer
+steps' period), ``RECORD_STEPS`` (1: record each step's weights and
 first row) and ``RESUME`` (1: from the newest intact checkpoint;
 any other value: that checkpoint folder) set the run. Each rank writes ``pid-rank{r}`` at start and
 ``result-rank{r}.pt`` (losses, weights, counters) at the end.
@@ -227,7 +228,7 @@ def run(out: str) -> None:
         f.write(str(os.getpid()))
     args = NoLoCoConfig(
         output_dir=out,
-        pipeline_stages=2,
+        pipeline_stages=int(os.environ.get("PIPELINE_STAGES", "2")),
         per_device_train_batch_size=4,
         microbatch_size=2,
         learning_rate=3e-3,
@@ -238,7 +239,7 @@ def run(out: str) -> None:
         eval_strategy="no",
         save_strategy="steps",
         save_steps=SAVE_STEPS,
-        inner_steps=INNER_STEPS,
+        inner_steps=int(os.environ.get("INNER_STEPS", INNER_STEPS)),
         outer_optimizer="noloco",
         routing="sample",
         report_to="none",

@@ -259,3 +259,36 @@ def test_autocast_follows_bf16(args):
     args.bf16 = True
     with _autocast(args)():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def test_a_failed_background_upload_is_raised_at_the_next_save_and_at_the_end(args, mesh, tmp_path):
+    from concurrent.futures import Future
+
+    from transformers.utils.hub import PushInProgress
+
+    class Response:
+        status_code = 403
+
+    class HubError(OSError):
+        response = Response()
+
+    stage, engine, run = _parts(args, mesh)
+    source = BuiltStage(stage)
+    record = RunRecord(args, mesh, engine, stage, source, run, False)
+    throughput = Throughput(None, counts=False)
+    exporter = Exporter(args, mesh, stage, source, None, Policy(), throughput, record, run)
+    args.push_to_hub, args.hub_strategy, exporter.repo_id = True, "every_save", "me/model"
+
+    def failed():
+        job = Future()
+        job.set_exception(HubError("403 Forbidden for url https://huggingface.co/...?token=hf_secret"))
+        return PushInProgress([job])
+
+    exporter.push_in_progress, exporter._pushed_step = failed(), 4
+    with pytest.raises(RuntimeError, match=r"upload of step 4 to the Hub repository me/model failed") as info:
+        exporter.push_checkpoint(str(tmp_path / "checkpoint-8"))
+    assert "HTTP 403" in str(info.value) and "hf_secret" not in str(info.value)
+    exporter.push_in_progress = failed()
+    with pytest.raises(RuntimeError, match="HubError \\(HTTP 403\\)"):
+        exporter.finish_uploads()
+    exporter.finish_uploads()  # nothing left to wait for

@@ -1,11 +1,13 @@
 """Hub publishing against a local fake Hub (127.0.0.1, in a thread): never a real network call."""
 
+import json
 import logging
+import os
 
 import pytest
 from huggingface_hub import HfApi
 
-from hf_noloco.io import hub
+from hf_noloco.io import checkpoint_files, export_files, hub
 from hf_noloco.io.hub import check_hub_settings, push_folder_to_hub
 from tests.helpers.fake_hub import FakeHub
 
@@ -20,7 +22,8 @@ def fake_hub(monkeypatch):
 
 
 def _export_folder(root):
-    """What an export leaves in output_dir, plus things that must never be published."""
+    """What an export leaves in output_dir (staged, then published with its manifest), plus things that
+    must never be published."""
     folder = root / "out"
     folder.mkdir()
     files = {
@@ -31,11 +34,18 @@ def _export_folder(root):
         "README.md": b"---\nlibrary_name: transformers\ntags:\n- hf-noloco\n---\n\n# tiny\n",
         "training_curves.png": b"\x89PNG\r\n\x1a\n fake",
     }
+    staging = export_files.staging_folder(str(folder))
     for name, data in files.items():
-        (folder / name).write_bytes(data)
+        with open(os.path.join(staging, name), "wb") as f:
+            f.write(data)
+    export_files.publish_export(staging, str(folder))
+    files[export_files.MANIFEST] = (folder / export_files.MANIFEST).read_bytes()
     (folder / "training_args.bin").write_bytes(b"pickle")  # Trainer leaves this; a pickle: never uploaded
-    (folder / "checkpoint-5").mkdir()
-    (folder / "checkpoint-5" / "model.safetensors").write_bytes(b"old")
+    (folder / ".env").write_text("HF_TOKEN=hf_secret\n")  # a dotfile
+    (folder / "train.log").write_text("log\n")
+    for name in ("checkpoint-5", "tmp-checkpoint-6", "skipped-checkpoint-3"):  # complete, partial, damaged
+        (folder / name).mkdir()
+        (folder / name / "model.safetensors").write_bytes(b"old")
     return folder, files
 
 
@@ -60,7 +70,8 @@ def test_push_folder_uploads_exactly_the_export_and_never_leaks_token(fake_hub, 
     assert url2.endswith(f"/commit/{2:040x}")
     first, second = fake_hub.commits
     assert first["repo_id"] == "fake-user/tiny-noloco" and first["revision"] == "main"
-    assert first["files"] == files  # everything, byte for byte, and nothing else (no .bin, no checkpoint-*)
+    # The export's files and manifest, byte for byte, and nothing else (no .bin, .env, log, checkpoint-*).
+    assert first["files"] == files
     assert first["other"] == []  # no LFS / deletion entries
     assert second["revision"] == "dev" and second["header"]["summary"] == "second"
     assert ("fake-user/tiny-noloco", "dev") in fake_hub.branches
@@ -115,3 +126,40 @@ def test_check_hub_settings_error_never_contains_token(no_saved_token):
     with pytest.raises(ValueError) as excinfo:
         check_hub_settings(True, "", TOKEN)
     assert TOKEN not in str(excinfo.value)
+
+
+def test_a_folder_without_a_manifest_is_not_pushed_and_a_checkpoint_pushes_its_recorded_files(tmp_path):
+    (tmp_path / "loose").mkdir()
+    (tmp_path / "loose" / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match="neither an export's manifest nor a checkpoint's checksum record"):
+        hub.upload_list(str(tmp_path / "loose"))
+    folder = tmp_path / "checkpoint-4"
+    (folder / "stage-0-replica-0").mkdir(parents=True)
+    for rel in (
+        "stage-0-replica-0/model.safetensors",
+        "stage-0-replica-0/optimizer.pt",
+        "trainer_state.json",
+    ):
+        (folder / rel).write_bytes(b"data")
+    record = {rel: checkpoint_files.file_checksum(str(folder / rel)) for rel in ("trainer_state.json",)}
+    for rel in ("stage-0-replica-0/model.safetensors", "stage-0-replica-0/optimizer.pt"):
+        record[rel] = checkpoint_files.file_checksum(str(folder / rel))
+    (folder / "stage-0-replica-0" / checkpoint_files.RANK_CHECKSUMS).write_text("{}")
+    (folder / checkpoint_files.CHECKSUMS).write_text(json.dumps({"files": record}))
+    (folder / "stage-0-replica-0" / "stray.tmp").write_bytes(b"left by a cut save")
+    assert hub.upload_list(str(folder)) == sorted(
+        [*record, checkpoint_files.CHECKSUMS, "stage-0-replica-0/" + checkpoint_files.RANK_CHECKSUMS]
+    )
+    assert hub._allow_patterns(["a[1].json", "b*.txt"]) == ["a[[]1].json", "b[*].txt"]
+
+
+def test_an_upload_error_is_described_without_what_it_carries():
+    class Response:
+        status_code = 403
+
+    class HubError(OSError):
+        response = Response()
+
+    error = HubError(f"403 for https://huggingface.co/api?token={TOKEN}")
+    assert hub.describe_hub_error(error) == "HubError (HTTP 403)"
+    assert hub.describe_hub_error(ValueError("x")) == "ValueError"

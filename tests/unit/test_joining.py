@@ -137,11 +137,12 @@ def test_a_joiner_is_admitted_at_a_fence_that_every_member_takes_without_going_o
             m.close()
 
 
-def test_a_column_launch_with_rejoin_starts_its_failed_column_again_as_a_joiner(tmp_path):
+def test_a_column_launch_with_rejoin_starts_its_failed_column_again_as_a_joiner(tmp_path, monkeypatch):
     """``column_launch --rejoin 1``: the column's first start fails (one worker exits 9); once all its
     processes have left, both start again with the join flag set, and the launch ends with their status."""
     from hf_noloco.launch.column_launch import main
 
+    monkeypatch.setenv("HF_NOLOCO_RUN_SECRET", "a-test-secret-" + "0" * 32)  # (these workers never check it)
     script = tmp_path / "worker.py"
     script.write_text(
         "import os, sys\n"
