@@ -69,6 +69,7 @@ class NoLoCoTrainer(Trainer):
             only they train and cross the network, and the export is a PEFT adapter (or the merged model with
             ``merge_adapter``). ``model`` must then be a Hub id or folder. :func:`hf_noloco.lora_config`
             builds one from TRL's option names.
+        compute_metrics, preprocess_logits_for_metrics: the Trainer's (see :meth:`evaluate`).
         Other arguments are the Trainer's. ``data_collator`` defaults to ``default_data_collator``. Streams
             (:class:`~hf_noloco.data.streaming.TokenStream`, ``max_steps`` needed) are read by each replica
             from its own shard, and a checkpoint records their position.
@@ -290,7 +291,10 @@ class NoLoCoTrainer(Trainer):
         self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
         """Perplexity pooled over all live replicas' shards, each replica column evaluated as one model (fixed
-        routing). Also the exact replica divergence, unless ``divergence_steps`` schedules it elsewhere. Under
+        routing). Also the exact replica divergence, unless ``divergence_steps`` schedules it elsewhere, and
+        ``compute_metrics``' metrics of every live replica's predictions (``EvalPrediction`` as the Trainer's:
+        the logits, or what ``preprocess_logits_for_metrics`` makes of each microbatch's, and the labels,
+        not shifted). Under
         ``on_replica_loss="continue"`` an evaluation that a lost replica interrupts returns ``{}``."""
         loader = self.get_eval_dataloader(eval_dataset)
         self.callback_handler.eval_dataloader = loader  # the progress bar's length (shown on rank 0)
@@ -302,7 +306,14 @@ class NoLoCoTrainer(Trainer):
             self.log(metrics)
             self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
 
-        return self.parts.evaluation.run(loader, metric_key_prefix, on_batch, on_metrics)
+        return self.parts.evaluation.run(
+            loader,
+            metric_key_prefix,
+            on_batch,
+            on_metrics,
+            self.compute_metrics,
+            self.preprocess_logits_for_metrics,
+        )
 
     def predict(self, *args, **kwargs):
         raise NotImplementedError("NoLoCoTrainer has no predict(): export the model and use it directly.")

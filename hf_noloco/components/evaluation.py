@@ -1,6 +1,6 @@
 """One evaluation of the live replicas: each replica column evaluated as one model (fixed routing), its loss
 and token counts pooled over the replicas into the perplexity, plus the exact replica divergence unless
-``divergence_steps`` schedules it elsewhere."""
+``divergence_steps`` schedules it elsewhere, and a user's ``compute_metrics``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from hf_noloco.components.eval_predictions import PredictionCollector, user_metrics
 from hf_noloco.components.metrics import perplexity, prediction_entries
 from hf_noloco.components.training_logs import TrainingLogs
 from hf_noloco.config import NoLoCoConfig
@@ -22,14 +23,19 @@ from hf_noloco.resilience.policy import ReplicaLossPolicy
 
 
 def pooled_eval_loss(
-    engine: PipelineEngine, mesh: PipelineMesh, batches: Iterable[dict], on_batch: Callable[[], None]
+    engine: PipelineEngine,
+    mesh: PipelineMesh,
+    batches: Iterable[dict],
+    on_batch: Callable[[], None],
+    on_logits: Callable | None = None,
 ) -> list[float]:
     """``[summed token cross-entropy, target tokens, right predictions, summed entropy]`` of ``batches``
-    through this replica column (:meth:`~hf_noloco.engine.pipeline.PipelineEngine.eval_totals`), summed over
-    the live replicas (collective); ``on_batch`` is called after each batch (the progress bar)."""
+    through this replica column (:meth:`~hf_noloco.engine.pipeline.PipelineEngine.eval_totals`, which hands
+    the last stage's logits to ``on_logits``), summed over the live replicas (collective); ``on_batch`` is
+    called after each batch (the progress bar)."""
     totals = torch.zeros(2 + TOKEN_STATS, dtype=torch.float64, device=mesh.device)
     for batch in batches:
-        totals += engine.eval_totals(batch).to(totals.device)
+        totals += engine.eval_totals(batch, on_logits=on_logits).to(totals.device)
         on_batch()
     if mesh.num_live_replicas > 1:
         what = f"{mesh.describe()}: all-reduce of the evaluation loss"
@@ -78,10 +84,15 @@ class Evaluation:
         prefix: str,
         on_batch: Callable[[], None],
         on_metrics: Callable[[dict], None],
+        compute_metrics: Callable | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
     ) -> dict[str, float]:
         """Evaluates ``batches``; ``on_batch`` after each (the progress bar), ``on_metrics`` with the result
-        (the log, the Trainer's callbacks)."""
+        (the log, the Trainer's callbacks). ``compute_metrics`` and ``preprocess_logits_for_metrics``: the
+        Trainer's (:mod:`~hf_noloco.components.eval_predictions`); unused under ``prediction_loss_only``."""
         policy = self.replica_loss
+        if self.args.prediction_loss_only:
+            compute_metrics = None
 
         def interrupted() -> dict:
             self.stage.train()
@@ -92,8 +103,13 @@ class Evaluation:
                 policy.barrier()  # every live rank evaluates in the same view
             self.stage.eval()
             start = time.monotonic()
-            totals = pooled_eval_loss(self.engine, self.mesh, batches, on_batch)
+            collector = None
+            if compute_metrics is not None and self.mesh.is_last_stage:
+                collector = PredictionCollector(preprocess_logits_for_metrics)
+            totals = pooled_eval_loss(self.engine, self.mesh, batches, on_batch, collector)
             metrics = evaluation_metrics(prefix, totals, time.monotonic() - start)
+            if compute_metrics is not None:
+                metrics.update(user_metrics(collector, compute_metrics, self.mesh, prefix))
             if self.args.divergence_steps is None:
                 metrics.update(self.logs.divergence())
             self.stage.train()

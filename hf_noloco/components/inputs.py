@@ -29,12 +29,11 @@ def check_trainer_inputs(model, args, train_dataset, peft_config, kwargs: dict) 
                 "and a stream does not (its position is its replica's own, lost with it): resume the run "
                 "from its newest checkpoint instead (on_replica_loss docs)."
             )
-    for name in ("compute_metrics", "preprocess_logits_for_metrics", "model_init"):
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"{name} is not supported by NoLoCoTrainer: evaluation computes loss and perplexity inside "
-                "the pipeline (no rank holds a batch's logits whole); the model is given directly."
-            )
+    if kwargs.get("model_init") is not None:
+        raise ValueError(
+            "model_init is not supported by NoLoCoTrainer: each process builds only its own stage from the "
+            "model (a Hub id, a folder, a config or an instance), given as `model`."
+        )
 
 
 def check_dataset_size(dataset, needed: int) -> None:

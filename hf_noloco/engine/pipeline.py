@@ -37,6 +37,7 @@ import contextlib
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -169,12 +170,22 @@ class PipelineEngine:
         return totals[0].item(), int(totals[1].item())
 
     @torch.no_grad()
-    def eval_totals(self, batch: dict[str, torch.Tensor], router: Router | None = None) -> torch.Tensor:
+    def eval_totals(
+        self,
+        batch: dict[str, torch.Tensor],
+        router: Router | None = None,
+        on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """:meth:`eval_step`'s sums, and the right predictions and summed entropy of the target positions,
-        as one float64 tensor on the device (no host sync), the same on every rank of the column."""
+        as one float64 tensor on the device (no host sync), the same on every rank of the column.
+
+        ``on_logits(logits, labels)``: called by the last stage with each microbatch's logits (rows, tokens,
+        vocabulary) and its labels (not shifted), in the batch's row order; the loss is computed from the
+        same logits (never chunked then)."""
         router = router or Router(self.mesh.num_replicas, "fixed")
         rows = batch["input_ids"].shape[0]
-        result = self._run(batch, router, math.gcd(rows, self.microbatch_size), training=False)
+        micro = math.gcd(rows, self.microbatch_size)
+        result = self._run(batch, router, micro, training=False, on_logits=on_logits)
         totals = torch.zeros(2 + TOKEN_STATS, dtype=torch.float64, device=self.device)
         if self.stage.is_last:
             totals[0], totals[1] = result.loss.double(), result.target_tokens
@@ -201,7 +212,14 @@ class PipelineEngine:
 
     # ---------------------------------------------------------------------------------------- schedule
 
-    def _run(self, batch: dict[str, torch.Tensor], router: Router, micro: int, training: bool) -> StepResult:
+    def _run(
+        self,
+        batch: dict[str, torch.Tensor],
+        router: Router,
+        micro: int,
+        training: bool,
+        on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> StepResult:
         rows, seq_len = self._check_batch(batch, micro)
         mesh, stage = self.mesh, self.stage
         # Every rank of a column reads the same kind of batch. Padded rows: the mask goes to the stages.
@@ -244,7 +262,13 @@ class PipelineEngine:
                 y = stage(
                     x, attention_mask=attention_mask, position_ids=position_ids, logits=False, varlen=lengths
                 )
-                if stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
+                if stage.is_last and on_logits is not None:  # the logits whole, for the caller too
+                    logits = stage.extras.logits(stage.lm_head(y))
+                    token_losses = next_token_losses(
+                        logits, labels, stats=token_stats, loss_type=self.loss_type
+                    )
+                    on_logits(logits.reshape(*labels.shape, -1), labels)  # (packed rows may come flat)
+                elif stage.is_last:  # y: the final hidden states; lm_head is applied inside the loss
                     token_losses = next_token_losses(
                         y,
                         labels,

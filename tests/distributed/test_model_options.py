@@ -200,8 +200,8 @@ def _generation_config_and_refusals(folder):
         "revision_of_folder": lambda: NoLoCoTrainer(
             folder, _args(os.path.join(folder, "o"), model_init_kwargs={"revision": "v2"})
         ),
-        "compute_metrics": lambda: NoLoCoTrainer(
-            folder, _args(os.path.join(folder, "o")), compute_metrics=lambda p: {}
+        "model_init": lambda: NoLoCoTrainer(
+            folder, _args(os.path.join(folder, "o")), model_init=lambda: None
         ),
         "kwargs_for_instance": lambda: NoLoCoTrainer(
             tiny_model("llama", 2), _args(os.path.join(folder, "o"), model_init_kwargs={"dtype": "bfloat16"})
@@ -256,7 +256,7 @@ def test_generation_config_is_carried_and_unsupported_inputs_are_refused(tmp_pat
         _generation_config_and_refusals, 1, str(tmp_path), timeout_s=300
     )[0]
     assert "model_revision='v2' applies to Hub models" in errors["revision_of_folder"]
-    assert "compute_metrics is not supported" in errors["compute_metrics"]
+    assert "model_init is not supported" in errors["model_init"]
     assert "model_init_kwargs only applies" in errors["kwargs_for_instance"]
     assert layers_compiled and compiled == pytest.approx(plain, rel=1e-5)
     generation = GenerationConfig.from_pretrained(tmp_path / "export")

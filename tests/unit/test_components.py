@@ -160,7 +160,7 @@ def test_an_evaluation_pools_the_loss_and_an_interrupted_one_returns_nothing(arg
     stage, _, run = _parts(args, mesh)
 
     class Engine:  # eval_totals' answer: cross-entropy, target tokens, right predictions, summed entropy
-        def eval_totals(self, batch):
+        def eval_totals(self, batch, on_logits=None):
             return torch.tensor(
                 [batch["loss_sum"], batch["tokens"], batch["right"], 0.5], dtype=torch.float64
             )
@@ -247,8 +247,9 @@ def test_the_exporter_writes_the_card_and_pushes_nothing_under_hub_strategy_end(
 
 
 def test_the_trainer_refuses_what_it_cannot_honour_before_joining_anything(args, tmp_path):
-    with pytest.raises(ValueError, match="compute_metrics is not supported"):
-        check_trainer_inputs("model", args, None, None, {"compute_metrics": len})
+    with pytest.raises(ValueError, match="model_init is not supported"):
+        check_trainer_inputs("model", args, None, None, {"model_init": len})
+    check_trainer_inputs("model", args, None, None, {"compute_metrics": len})  # taken: evaluate() runs it
     with pytest.raises(ValueError, match="fewer than one batch per replica"):
         check_dataset_size(list(range(3)), 4)
     check_dataset_size(list(range(4)), 4)
