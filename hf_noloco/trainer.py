@@ -46,11 +46,8 @@ class _StageHandle(nn.Module):
 def _run_attribute(name: str, doc: str) -> property:
     """A Trainer attribute (``state``, ``optimizer``, ``lr_scheduler``) kept in the run's
     :class:`~hf_noloco.components.run_state.RunState`, where the parts that read it find the current one."""
-    return property(
-        lambda self: getattr(self.parts.run, name),
-        lambda self, value: setattr(self.parts.run, name, value),
-        doc=doc,
-    )
+    getter = lambda self: getattr(self.parts.run, name)
+    return property(getter, lambda self, value: setattr(self.parts.run, name, value), doc=doc)
 
 
 class NoLoCoTrainer(Trainer):
@@ -183,9 +180,8 @@ class NoLoCoTrainer(Trainer):
         return self.parts.loaders.loader(dataset, self.args.per_device_eval_batch_size, False)
 
     def _columns(self, dataset, description: str):
-        return (
-            dataset if isinstance(dataset, TokenStream) else self._remove_unused_columns(dataset, description)
-        )
+        keep = isinstance(dataset, TokenStream)
+        return dataset if keep else self._remove_unused_columns(dataset, description)
 
     # ---------------------------------------------------------------------------------------- training
 
@@ -294,8 +290,7 @@ class NoLoCoTrainer(Trainer):
         routing). Also the exact replica divergence, unless ``divergence_steps`` schedules it elsewhere, and
         ``compute_metrics``' metrics of every live replica's predictions (``EvalPrediction`` as the Trainer's:
         the logits, or what ``preprocess_logits_for_metrics`` makes of each microbatch's, and the labels,
-        not shifted). Under
-        ``on_replica_loss="continue"`` an evaluation that a lost replica interrupts returns ``{}``."""
+        not shifted). Under ``on_replica_loss="continue"``, an interrupted evaluation returns ``{}``."""
         loader = self.get_eval_dataloader(eval_dataset)
         self.callback_handler.eval_dataloader = loader  # the progress bar's length (shown on rank 0)
 
@@ -306,14 +301,8 @@ class NoLoCoTrainer(Trainer):
             self.log(metrics)
             self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
 
-        return self.parts.evaluation.run(
-            loader,
-            metric_key_prefix,
-            on_batch,
-            on_metrics,
-            self.compute_metrics,
-            self.preprocess_logits_for_metrics,
-        )
+        metric_fns = (self.compute_metrics, self.preprocess_logits_for_metrics)
+        return self.parts.evaluation.run(loader, metric_key_prefix, on_batch, on_metrics, *metric_fns)
 
     def predict(self, *args, **kwargs):
         raise NotImplementedError("NoLoCoTrainer has no predict(): export the model and use it directly.")
