@@ -35,11 +35,22 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def seeded_permutation(n: int, *keys: int) -> list[int]:
-    """A uniformly random permutation of ``range(n)`` determined by the integer ``keys`` (Fisher-Yates)."""
+def _keyed_state(keys: tuple[int, ...]) -> int:
     state = 0
     for key in keys:
         state = _splitmix64(state ^ (key & _MASK64))
+    return state
+
+
+def seeded_uniform(*keys: int) -> float:
+    """A uniform draw from ``[0, 1)`` (a multiple of ``2**-53``) determined by the integer ``keys``, from the
+    same key hashing as :func:`seeded_permutation`."""
+    return (_splitmix64(_keyed_state(keys)) >> 11) / float(1 << 53)
+
+
+def seeded_permutation(n: int, *keys: int) -> list[int]:
+    """A uniformly random permutation of ``range(n)`` determined by the integer ``keys`` (Fisher-Yates)."""
+    state = _keyed_state(keys)
     perm = list(range(n))
     for i in range(n - 1, 0, -1):
         state = _splitmix64(state)
