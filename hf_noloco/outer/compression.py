@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from hf_noloco.engine.boundary_codec import absmax_scale, pack_scaled, unpack_scaled
+
 BLOCK = 64  # values per scale: 4 bytes of scale per 64 values, 1/16 byte per value
 SCALE_BYTES = 4  # float32 scales
 LEVELS = {"int8": 127.0, "float8_e4m3": 448.0, "int4": 7.0}  # the largest magnitude after scaling
@@ -53,24 +55,14 @@ def bytes_per_value(outer_dtype: str) -> float:
 
 def quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """The packet of the flat float32 tensor ``x`` in format ``fmt`` (on ``x``'s device)."""
+    if fmt not in LEVELS:
+        raise ValueError(f"unknown wire format {fmt!r}; expected one of {', '.join(LEVELS)}.")
     blocks = math.ceil(x.numel() / BLOCK)
     padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
     padded[: x.numel()] = x
     padded = padded.view(blocks, BLOCK)
-    absmax = padded.abs().amax(dim=1, keepdim=True)
-    # An all-zero block takes scale 1 (any scale decodes zeros); a NaN/inf stays in the scale, so the decoded
-    # block is non-finite and the receiver's finite check sees it.
-    scale = torch.where(absmax == 0, torch.ones_like(absmax), absmax / LEVELS[fmt])
-    y = padded / scale
-    if fmt == "int8":
-        payload = y.round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
-    elif fmt == "float8_e4m3":
-        payload = y.clamp_(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-    elif fmt == "int4":
-        nibbles = y.round_().clamp_(-7, 7).add_(8).to(torch.uint8)
-        payload = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
-    else:
-        raise ValueError(f"unknown wire format {fmt!r}; expected one of {', '.join(LEVELS)}.")
+    scale = absmax_scale(padded.abs().amax(dim=1, keepdim=True), LEVELS[fmt])
+    payload = pack_scaled(padded / scale, fmt)
     return torch.cat([payload.reshape(-1), scale.reshape(-1).view(torch.uint8)])
 
 
@@ -82,15 +74,7 @@ def dequantize(packet: torch.Tensor, numel: int, fmt: str) -> torch.Tensor:
         expected = payload_bytes + blocks * SCALE_BYTES
         raise ValueError(f"a {fmt} packet of {numel} values has {expected} bytes, got {packet.numel()}.")
     scale = packet[payload_bytes:].view(torch.float32).view(blocks, 1)
-    payload = packet[:payload_bytes].view(blocks, -1)
-    if fmt == "int8":
-        values = payload.view(torch.int8).float()
-    elif fmt == "float8_e4m3":
-        values = payload.view(torch.float8_e4m3fn).float()
-    else:
-        low = (payload & 0x0F).to(torch.int8) - 8
-        high = (payload >> 4).to(torch.int8) - 8
-        values = torch.stack([low, high], dim=2).view(blocks, BLOCK).float()
+    values = unpack_scaled(packet[:payload_bytes], fmt, blocks, BLOCK)
     return values.mul_(scale).view(-1)[:numel]
 
 
