@@ -24,12 +24,19 @@ import math
 
 import torch
 
-from hf_noloco.engine.boundary_codec import absmax_scale, pack_scaled, unpack_scaled
+from hf_noloco.engine.boundary_codec import (
+    SCALE_BYTES,
+    SCALED_BITS,
+    SCALED_LEVELS,
+    absmax_scale,
+    pack_scaled,
+    unpack_scaled,
+)
 
 BLOCK = 64  # values per scale: 4 bytes of scale per 64 values, 1/16 byte per value
-SCALE_BYTES = 4  # float32 scales
-LEVELS = {"int8": 127.0, "float8_e4m3": 448.0, "int4": 7.0}  # the largest magnitude after scaling
-BITS = {"int8": 8, "float8_e4m3": 8, "int4": 4}
+_OUTER_FORMATS = ("int8", "float8_e4m3", "int4")  # the boundary's formats the outer wire takes (not e5m2)
+LEVELS = {fmt: SCALED_LEVELS[fmt] for fmt in _OUTER_FORMATS}  # the largest magnitude after scaling
+BITS = {fmt: SCALED_BITS[fmt] for fmt in _OUTER_FORMATS}
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2}  # the uncompressed formats: a cast, no scales, no feedback
 
 
