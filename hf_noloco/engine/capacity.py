@@ -145,3 +145,60 @@ def assign(counts: list[int], *keys: int) -> list[int]:
     labels = [replica for replica, count in enumerate(counts) for _ in range(count)]
     perm = seeded_permutation(len(labels), *keys)
     return [labels[perm[i]] for i in range(len(labels))]
+
+
+# The capacity pairing's draws are keyed apart from the permutation router's: (seed, boundary, step, wave,
+# group, tag) never collides with the router's (seed, boundary, sample[, group]).
+_PAIRING_TAG = 0xCA9AC17
+
+
+def wave_counts(
+    speeds: list[float], micro: int, group_size: int, *keys: int, floor: float | Fraction = 0.0
+) -> list[int]:
+    """The rows each replica of a stage computes in one wave (microbatch index) of a step: each routing group
+    of ``group_size`` consecutive replicas shares its ``group_size * micro`` rows in proportion to its
+    replicas' speeds (:func:`draw_counts`, keyed by ``keys`` and the group), so a sample never has to leave
+    its group. Equal speeds give ``micro`` rows each, every wave."""
+    n = len(speeds)
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"group_size must divide the {n} replicas, got {group_size}.")
+    counts: list[int] = []
+    for group in range(n // group_size):
+        members = speeds[group * group_size : (group + 1) * group_size]
+        counts += draw_counts(members, group_size * micro, *keys, group, floor=floor)
+    return counts
+
+
+def boundary_pairs(
+    sender_counts: list[int],
+    receiver_counts: list[int],
+    group_size: int,
+    *keys: int,
+) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """Which rows of one wave go where at one stage boundary when replicas compute unequal rows.
+
+    Replica ``r`` of the sending stage holds ``sender_counts[r]`` rows (local indices ``0 ..``), replica
+    ``q`` of the receiving stage ``receiver_counts[q]``. Within each routing group the senders' rows, laid
+    end to end in replica order, are matched to the receivers' rows, laid the same way, by a uniformly random
+    permutation drawn from ``keys`` and the group: every row goes to exactly one receiver row, every receiver
+    gets exactly its count, and every placement with these counts is equally likely. Returns
+    ``{(sender, receiver): [(sender row, receiver row), ...]}`` in ascending sender row, the order in which
+    both ends list a message's rows (in the forward and in the backward)."""
+    n = len(sender_counts)
+    if len(receiver_counts) != n or group_size < 1 or n % group_size:
+        raise ValueError(f"counts of {n} and {len(receiver_counts)} replicas in groups of {group_size}.")
+    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for group in range(n // group_size):
+        members = range(group * group_size, (group + 1) * group_size)
+        senders = [(r, i) for r in members for i in range(sender_counts[r])]
+        receivers = [(q, j) for q in members for j in range(receiver_counts[q])]
+        if len(senders) != len(receivers):
+            raise ValueError(
+                f"routing group {group} sends {len(senders)} rows but receives {len(receivers)}: "
+                "a group's counts must sum to the same number at both stages."
+            )
+        perm = seeded_permutation(len(senders), *keys, group, _PAIRING_TAG)
+        for k, (r, i) in enumerate(senders):
+            q, j = receivers[perm[k]]
+            pairs.setdefault((r, q), []).append((i, j))
+    return pairs

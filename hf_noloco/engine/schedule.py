@@ -22,6 +22,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from hf_noloco.engine.capacity import boundary_pairs
 from hf_noloco.engine.routing import Router, group_rows_by_peer
 from hf_noloco.engine.shape import rank_of
 from hf_noloco.rules import PIPELINE_SCHEDULES, check_choice
@@ -134,13 +135,25 @@ def _zero_bubble_orders(num_micro: int, num_stages: int) -> tuple[tuple[tuple[st
 @dataclass(frozen=True)
 class Message:
     """Rows ``rows`` of microbatch ``microbatch`` going from global rank ``src`` to ``dst``: activations (and
-    their per-row record) for ``FORWARD``, their gradients for ``BACKWARD``."""
+    their per-row record) for ``FORWARD``, their gradients for ``BACKWARD``. ``rows`` are the sender's row
+    indices; ``into`` the receiver's, in the same order (``None``: the same indices, as whenever every replica
+    computes the same rows per microbatch)."""
 
     phase: str
     microbatch: int
     src: int
     dst: int
     rows: tuple[int, ...]
+    into: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class PeerRows:
+    """The rows one rank exchanges with one peer in a microbatch when the two hold different row indices
+    (capacity routing): ``mine[k]`` here is ``theirs[k]`` there."""
+
+    mine: tuple[int, ...]
+    theirs: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -157,8 +170,9 @@ class Compute:
     microbatch: int
 
 
-# For microbatch m: ({rank of the previous stage: rows}, {rank of the next stage: rows}). A row goes to the
-# same rank in the backward as it came from in the forward, so one function serves both phases.
+# For microbatch m: ({rank of the previous stage: rows}, {rank of the next stage: rows}), the rows as indices
+# both ends share or as PeerRows. A row goes to the same rank in the backward as it came from in the forward,
+# so one function serves both phases.
 Links = Callable[[int], tuple[Mapping[int, Sequence[int]], Mapping[int, Sequence[int]]]]
 
 
@@ -184,6 +198,60 @@ def routed_links(
     return links
 
 
+# rows[stage][m][replica]: the rows each replica of each stage computes in microbatch m (capacity routing).
+RowCounts = Sequence[Sequence[Sequence[int]]]
+
+
+def capacity_links(
+    router: Router,
+    rows: RowCounts,
+    num_stages: int,
+    stage: int,
+    replica: int,
+    step: int,
+    first_sample: int,
+    micro: int,
+) -> Links:
+    """:func:`routed_links` when replicas compute unequal rows (capacity routing): ``rows[s][m][r]`` rows for
+    replica ``r`` of stage ``s`` in microbatch ``m``. At a boundary where both stages hold ``micro`` rows on
+    every replica the peers are exactly :func:`routed_links`'s (today's routing, bit for bit); elsewhere the
+    rows are matched by :func:`~hf_noloco.engine.capacity.boundary_pairs`, within the router's groups, drawn
+    from ``(seed, boundary, step, m)`` (``sample`` granularity) or ``(seed, boundary, step)`` (``step``),
+    and each peer's rows come as :class:`PeerRows`."""
+    if router.granularity == "fixed":
+        raise ValueError("Capacity routing needs random routing (routing='sample' or 'step'), not 'fixed'.")
+    routed = routed_links(router, num_stages, stage, replica, step, first_sample, micro)
+
+    def equal(boundary: int, m: int) -> bool:
+        return all(c == micro for s in (boundary, boundary + 1) for c in rows[s][m])
+
+    @functools.cache
+    def pairs(boundary: int, m: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        wave = m if router.granularity == "sample" else -1
+        return boundary_pairs(
+            list(rows[boundary][m]), list(rows[boundary + 1][m]), router.group_size, router.seed, boundary,
+            step, wave,
+        )  # fmt: skip
+
+    def links(m: int):
+        previous, following = routed(m)
+        if stage > 0 and not equal(stage - 1, m):
+            previous = {
+                rank_of(src, stage - 1, num_stages): PeerRows(tuple(j for _, j in p), tuple(i for i, _ in p))
+                for (src, dst), p in sorted(pairs(stage - 1, m).items())
+                if dst == replica
+            }
+        if stage < num_stages - 1 and not equal(stage, m):
+            following = {
+                rank_of(dst, stage + 1, num_stages): PeerRows(tuple(i for i, _ in p), tuple(j for _, j in p))
+                for (src, dst), p in sorted(pairs(stage, m).items())
+                if src == replica
+            }
+        return previous, following
+
+    return links
+
+
 def mesh_plans(
     schedule: str,
     num_stages: int,
@@ -192,13 +260,17 @@ def mesh_plans(
     micro: int,
     step: int = 0,
     first_sample: int = 0,
+    rows: RowCounts | None = None,
 ) -> dict[int, list]:
     """The plan of one step of every rank of a ``router.num_replicas`` x ``num_stages`` mesh (what
-    :func:`find_deadlock` checks)."""
+    :func:`find_deadlock` checks); with ``rows``, under capacity routing (:func:`capacity_links`)."""
     plans = {}
     for replica in range(router.num_replicas):
         for stage in range(num_stages):
-            links = routed_links(router, num_stages, stage, replica, step, first_sample, micro)
+            if rows is None:
+                links = routed_links(router, num_stages, stage, replica, step, first_sample, micro)
+            else:
+                links = capacity_links(router, rows, num_stages, stage, replica, step, first_sample, micro)
             rank = rank_of(replica, stage, num_stages)
             plans[rank] = step_plan(schedule, num_micro, num_stages, stage, rank, links)
     return plans
@@ -229,13 +301,16 @@ def step_plan(schedule: str, num_micro: int, num_stages: int, stage: int, rank: 
     plan, sends, weights = [], [], []
     links = functools.lru_cache(maxsize=None)(links)  # each microbatch's peers, drawn once for F and B
 
-    def messages(peers: Mapping[int, Sequence[int]], phase: str, m: int, outgoing: bool) -> list[Message]:
-        return [
-            Message(phase, m, rank, peer, tuple(rows))
-            if outgoing
-            else Message(phase, m, peer, rank, tuple(rows))
-            for peer, rows in peers.items()
-        ]
+    def messages(peers: Mapping, phase: str, m: int, outgoing: bool) -> list[Message]:
+        found = []
+        for peer, rows in peers.items():
+            if isinstance(rows, PeerRows):  # the sender's indices travel as `rows`, the receiver's as `into`
+                sent, into = (rows.mine, rows.theirs) if outgoing else (rows.theirs, rows.mine)
+            else:
+                sent, into = tuple(rows), None
+            src, dst = (rank, peer) if outgoing else (peer, rank)
+            found.append(Message(phase, m, src, dst, sent, into))
+        return found
 
     done = None  # the compute just done, whose sends are pending
     for phase, m in order:
