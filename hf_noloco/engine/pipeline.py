@@ -43,11 +43,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_noloco.engine.capacity import boundary_pairs, wave_counts
 from hf_noloco.engine.comm import abandon, collective, exchange, post, strict_p2p, wait_sends
 from hf_noloco.engine.losses import TOKEN_STATS, next_token_losses, target_token_count
 from hf_noloco.engine.mesh import PipelineMesh
 from hf_noloco.engine.routing import Router
-from hf_noloco.engine.schedule import BACKWARD, FORWARD, Post, routed_links, step_plan
+from hf_noloco.engine.schedule import BACKWARD, FORWARD, Post, capacity_links, routed_links, step_plan
 from hf_noloco.engine.split_backward import backward_input
 from hf_noloco.engine.stage import PipelineStage, offload_saved_tensors, packed_sequence_lengths
 from hf_noloco.rules import (
@@ -144,6 +145,10 @@ class PipelineEngine:
         self._indices: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # see _index
         self.step_index = 0  # training steps run: the routing key of `step` granularity
         self.samples_seen = 0  # per-replica samples trained on: the routing key of `sample` granularity
+        # Capacity routing: every stage's replicas' speeds, and the least share of a wave's rows any replica
+        # gets (None: every replica computes microbatch_size rows, today's routing).
+        self.capacity: tuple[list[list[float]], float] | None = None
+        self._rows_of: Callable[[int], int] = lambda m: self.microbatch_size
 
     # ----------------------------------------------------------------------------------------- public
 
@@ -153,6 +158,36 @@ class PipelineEngine:
         self.router = Router(
             self.mesh.num_replicas, self.router.granularity, self.router.seed, live=live_replicas
         )
+
+    def route_by_capacity(self, speeds: list[list[float]] | None, floor: float = 0.0) -> None:
+        """From the next training step on, each replica of stage ``s`` computes a share of every microbatch's
+        ``num_replicas * microbatch_size`` rows in proportion to ``speeds[s][replica]`` (no share below
+        ``floor``): same microbatches, same order, fewer rows on a slower replica
+        (:func:`~hf_noloco.engine.capacity.wave_counts`, :func:`~hf_noloco.engine.schedule.capacity_links`).
+        Every rank must be given the same speeds. ``None``: equal rows again. Equal speeds route exactly as
+        without."""
+        if speeds is not None:
+            mesh = self.mesh
+            if len(speeds) != mesh.num_stages or any(len(row) != mesh.num_replicas for row in speeds):
+                raise ValueError(f"speeds must be {mesh.num_stages} stages x {mesh.num_replicas} replicas.")
+            if self.router.granularity == "fixed":
+                raise ValueError("Capacity routing needs random routing (routing='sample' or 'step').")
+            if len(self.router.live) != self.router.num_replicas:
+                raise ValueError("Capacity routing does not yet route among the live replicas only.")
+        self.capacity = None if speeds is None else ([list(map(float, r)) for r in speeds], float(floor))
+
+    def capacity_rows(self, num_micro: int) -> list[list[list[int]]] | None:
+        """``rows[stage][m][replica]`` of the next training step's ``num_micro`` microbatches (None:
+        equal rows)."""
+        if self.capacity is None:
+            return None
+        speeds, floor = self.capacity
+        group, micro = self.router.group_size, self.microbatch_size
+        keys = (self.router.seed, self.step_index)
+        return [
+            [wave_counts(stage_speeds, micro, group, *keys, s, m, floor=floor) for m in range(num_micro)]
+            for s, stage_speeds in enumerate(speeds)
+        ]
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
         """Forward and backward of every microbatch of ``batch`` (gradients accumulate in ``.grad``)."""
@@ -250,7 +285,9 @@ class PipelineEngine:
 
         def forward(m: int) -> None:
             nonlocal loss
-            if stage.is_first:
+            if stage.is_first and isinstance(input_ids, list):  # capacity routing: this replica's rows
+                x, mb_meta = input_ids[m], meta[m]
+            elif stage.is_first:
                 x, mb_meta = input_ids[m * micro : (m + 1) * micro], meta[m * micro : (m + 1) * micro]
             else:
                 x, mb_meta = self._arrived(arrived, FORWARD, m, micro)
@@ -309,9 +346,28 @@ class PipelineEngine:
                 deferred()
 
         self.peak_microbatches_held, self.wait_seconds = 0, 0.0
-        links = routed_links(
-            router, mesh.num_stages, mesh.stage, mesh.replica, self.step_index, self.samples_seen, micro
-        )
+        capacity = self.capacity_rows(rows // micro) if training else None
+        if capacity is not None and all(c == micro for s in capacity for w in s for c in w):
+            capacity = None  # equal rows: today's routing, bit for bit
+        if capacity is None:
+            self._rows_of = lambda m: micro
+            links = routed_links(
+                router, mesh.num_stages, mesh.stage, mesh.replica, self.step_index, self.samples_seen, micro
+            )
+        else:
+            own = [wave[mesh.replica] for wave in capacity[mesh.stage]]
+            self._rows_of = own.__getitem__
+            links = capacity_links(
+                router, capacity, mesh.num_stages, mesh.stage, mesh.replica, self.step_index,
+                self.samples_seen, micro,
+            )  # fmt: skip
+            if varlen is not None:
+                raise ValueError(
+                    "Capacity routing does not yet carry packed rows' flash-attention boundaries: use "
+                    "attn_implementation='sdpa' or 'eager' with packed rows, or equal routing."
+                )
+            if stage.is_first:  # each replica's share of every wave's input rows, from their shards
+                input_ids, meta = self._redistribute(input_ids, meta, capacity[0], micro)
         schedule = self.schedule if training else "forward"
         plan = step_plan(schedule, rows // micro, mesh.num_stages, mesh.stage, mesh.rank, links)
         try:
@@ -412,7 +468,7 @@ class PipelineEngine:
         sends = []
         for msg in batch.sends:
             tensors = outgoing[msg.phase, msg.microbatch]
-            if len(msg.rows) != micro:  # the rows routed to this peer
+            if msg.rows != tuple(range(self._rows_of(msg.microbatch))):  # the rows routed to this peer
                 index = self._index(msg.rows)
                 tensors = tuple(t.index_select(0, index) for t in tensors)
             sends += [(t, msg.dst) for t in tensors]
@@ -464,14 +520,61 @@ class PipelineEngine:
 
     def _assemble(self, parts: list, micro: int) -> tuple[torch.Tensor, ...]:
         """The microbatch's tensors from the rows each peer sent (one peer: its message is the microbatch)."""
-        if len(parts) == 1:
+        rows = self._rows_of(parts[0][0].microbatch)  # micro, or this replica's share under capacity routing
+        if len(parts) == 1 and (parts[0][0].into or parts[0][0].rows) == tuple(range(rows)):
             return parts[0][1]
-        whole = tuple(t.new_empty(micro, *t.shape[1:]) for t in parts[0][1])
+        whole = tuple(t.new_empty(rows, *t.shape[1:]) for t in parts[0][1])
         for msg, buffers in parts:
-            index = self._index(msg.rows)
+            index = self._index(msg.into or msg.rows)
             for target, buffer in zip(whole, buffers):
                 target.index_copy_(0, index, buffer)
         return whole
+
+    def _redistribute(
+        self, input_ids: torch.Tensor, meta: torch.Tensor, rows: list[list[int]], micro: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Capacity routing's first stage: per microbatch, this replica's share of the wave's input rows
+        (token ids and their records), gathered from the first-stage replicas whose data shards hold them, in
+        one batch of messages among the first stage posted before anything else (it cannot wait on the plan).
+        Which rows go where is :func:`~hf_noloco.engine.capacity.boundary_pairs` from the shards' ``micro``
+        rows each to ``rows[m]``, drawn from ``(seed, -1, step, m)``."""
+        mesh, me = self.mesh, self.mesh.replica
+        equal = [micro] * mesh.num_replicas
+        parts_ids = [[None] * wave[me] for wave in rows]
+        parts_meta = [[None] * wave[me] for wave in rows]
+        sends, recvs, landing = [], [], []
+        for m, wave in enumerate(rows):
+            pairs = boundary_pairs(
+                equal, wave, self.router.group_size, self.router.seed, -1, self.step_index, m
+            )
+            for (src, dst), matched in sorted(pairs.items()):
+                mine = [m * micro + i for i, _ in matched]
+                if src == me and dst == me:
+                    for (_, j), row in zip(matched, mine):
+                        parts_ids[m][j], parts_meta[m][j] = input_ids[row], meta[row]
+                elif src == me:
+                    index = self._index(tuple(mine))
+                    peer = mesh.rank_of(dst, 0)
+                    sends += [(input_ids.index_select(0, index), peer), (meta.index_select(0, index), peer)]
+                elif dst == me:
+                    buffers = (
+                        input_ids.new_empty(len(matched), input_ids.shape[1]),
+                        meta.new_empty(len(matched), meta.shape[1]),
+                    )
+                    peer = mesh.rank_of(src, 0)
+                    recvs += [(buffers[0], peer), (buffers[1], peer)]
+                    landing.append((m, [j for _, j in matched], buffers))
+        start = time.perf_counter()
+        pending = exchange(
+            sends, recvs, self.p2p_timeout, mesh.describe_rank, self._context("the input rows", None),
+            group=mesh.world_group,
+        )  # fmt: skip
+        wait_sends(pending, self.p2p_timeout, self._context("the input rows", None))
+        self.wait_seconds += time.perf_counter() - start
+        for m, slots, (ids, records) in landing:
+            for k, j in enumerate(slots):
+                parts_ids[m][j], parts_meta[m][j] = ids[k], records[k]
+        return [torch.stack(p) for p in parts_ids], [torch.stack(p) for p in parts_meta]
 
     def _context(self, phase: str, m: int | None) -> str:
         # Steps count from 1 in messages, as the Trainer's global_step does once the step is done.
