@@ -167,6 +167,21 @@ class NoLoCoConfig(OuterSettings, TrainingArguments):
         routing_group_size (`int` or `None`, *optional*, defaults to `None`):
             With `routing_domain="node"`: replicas per routing group (consecutive replica indices; must divide
             the number of replicas). `None`: derived from the launch as above.
+        capacity_routing (`bool`, *optional*, defaults to `False`):
+            Mixed-speed replicas: every microbatch's rows are shared among a stage's replicas in proportion to
+            each replica's measured speed (its compute seconds per row, smoothed over steps) instead of
+            equally, so a slower replica computes fewer rows and the step stops waiting for it. Every replica
+            keeps the same microbatches in the same order; each sample still counts once with its token
+            weight. Use it when replicas differ in speed (mixed GPU generations, a shared or throttled
+            machine); with equal speeds it routes exactly as without. Needs `routing` `"sample"` or
+            `"step"`, and `on_replica_loss="stop"`.
+        capacity_rebalance_steps (`int`, *optional*, defaults to `10`):
+            With `capacity_routing`: the shares change every this many steps (at a step boundary, after one
+            small all-gather of the measured speeds over every rank); before the first, rows are equal.
+        capacity_floor (`float`, *optional*, defaults to `0.05`):
+            With `capacity_routing`: the least share of a microbatch's rows any replica of a routing group
+            gets, so a slow replica still trains and stays in the gossip (and never fewer than one row per
+            microbatch). A replica held at the floor for three rebalances in a row is named in a warning.
 
         > Outer optimizer
 
@@ -329,6 +344,9 @@ class NoLoCoConfig(OuterSettings, TrainingArguments):
     routing: Routing = "sample"
     routing_domain: RoutingDomain = "global"
     routing_group_size: int | None = None
+    capacity_routing: bool = False
+    capacity_rebalance_steps: int = 10
+    capacity_floor: float = 0.05
     # The outer optimizer's fields (and routing_seed) are OuterSettings', inherited: declared once.
     model_init_kwargs: dict | str | None = None
     master_weights: MasterWeights = "float32"
@@ -452,6 +470,7 @@ def check_config(c, joining: bool = False) -> None:
         check_microbatch_size(c.per_device_train_batch_size, c.microbatch_size)
     if c.divergence_steps is not None:
         check_positive_int("divergence_steps", c.divergence_steps)
+    check_capacity_routing(c)
     check_stage_boundaries(c.stage_boundaries, c.pipeline_stages)
     if c.stage_boundaries is not None and c.stage_balance != "layers":
         raise ValueError(
@@ -501,8 +520,29 @@ def check_config(c, joining: bool = False) -> None:
     _check_trainer_extras(c)
     num_replicas, _ = mesh_shape(_world_size(), c.pipeline_stages)
     OuterSettings.of(c).check_replicas(num_replicas)
-    routing_group_size(c.routing_domain, c.routing_group_size, num_replicas, c.pipeline_stages)
+    group = routing_group_size(c.routing_domain, c.routing_group_size, num_replicas, c.pipeline_stages)
+    if c.capacity_routing and c.capacity_floor * group > 1:
+        raise ValueError(
+            f"capacity_floor={c.capacity_floor} times the {group} replicas of a routing group exceeds 1: "
+            f"use at most {1 / group:.4g}."
+        )
     check_export_replica(c.export_replica, num_replicas)
+
+
+def check_capacity_routing(c) -> None:
+    """``capacity_routing`` needs random routing and a run whose ranks all take part in every rebalance."""
+    check_positive_int("capacity_rebalance_steps", c.capacity_rebalance_steps)
+    if not 0 <= c.capacity_floor < 1:
+        raise ValueError(f"capacity_floor must be in [0, 1), got {c.capacity_floor}.")
+    if not c.capacity_routing:
+        return
+    if c.routing == "fixed":
+        raise ValueError("capacity_routing needs routing='sample' or 'step': fixed routing moves no rows.")
+    if getattr(c, "on_replica_loss", "stop") == "continue":
+        raise ValueError(
+            "capacity_routing does not support on_replica_loss='continue' yet: its rebalance is an "
+            "all-gather over every rank, which a lost replica would block."
+        )
 
 
 def check_replica_loss(c, joining: bool = False) -> None:

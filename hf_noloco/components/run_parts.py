@@ -23,6 +23,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from hf_noloco.adapters.settings import adapter_record, adapter_summary
 from hf_noloco.adapters.stage import add_adapters, trainable_state_dict
+from hf_noloco.components.capacity_balance import CapacityBalance
 from hf_noloco.components.checkpointer import RunCheckpointer
 from hf_noloco.components.evaluation import Evaluation
 from hf_noloco.components.exporter import Exporter
@@ -291,7 +292,12 @@ def build_run_parts(
         inputs.data_args,
         inputs.train_dataset,
     )
-    logs = TrainingLogs(args, mesh, stage, run, throughput, loaders, policy, predictions)
+    capacity = None
+    if args.capacity_routing:
+        capacity = CapacityBalance(
+            mesh, engine, args.capacity_rebalance_steps, args.capacity_floor, args.p2p_timeout
+        )
+    logs = TrainingLogs(args, mesh, stage, run, throughput, loaders, policy, predictions, capacity)
     exporter = Exporter(
         args,
         mesh,
@@ -322,7 +328,7 @@ def build_run_parts(
         preemption,
         record,
         exporter,
-        TrainingStep(args, mesh, stage, engine, tied, run, predictions),
+        TrainingStep(args, mesh, stage, engine, tied, run, predictions, capacity),
         logs,
         Evaluation(args, mesh, stage, engine, logs, policy),
     )

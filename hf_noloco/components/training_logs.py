@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_noloco.components.capacity_balance import CapacityBalance
 from hf_noloco.components.loaders import ReplicaLoaders
 from hf_noloco.components.metrics import (
     PredictionStats,
@@ -30,6 +31,7 @@ class TrainingLogs:
         run: the Trainer's objects (its step, the outer optimizer); throughput: the token counts.
         loaders: the training stream, if any (its epoch); replica_loss: the sums over the live ranks.
         predictions: the last stage's right predictions and entropy (TRL's ``mean_token_accuracy``).
+        capacity: the capacity routing's measurements (``capacity_routing``), if any.
     """
 
     def __init__(
@@ -42,8 +44,10 @@ class TrainingLogs:
         loaders: ReplicaLoaders,
         replica_loss: ReplicaLossPolicy,
         predictions: PredictionStats | None = None,
+        capacity: CapacityBalance | None = None,
     ):
         self.args, self.mesh, self.stage, self.run, self.throughput = args, mesh, stage, run, throughput
+        self.capacity = capacity
         self.loaders, self.replica_loss = loaders, replica_loss
         self.predictions = predictions or PredictionStats(counts=False)
         self.last_divergence_step = 0
@@ -79,6 +83,8 @@ class TrainingLogs:
         entries.update(self.throughput.log_entries(token_sum, self.args.device))
         entries["num_tokens"] = self.throughput.tokens_seen  # TRL's name of the tokens trained on so far
         entries.update(self.predictions.log_entries(token_sum, self.args.device))
+        if self.capacity is not None:
+            entries.update(self.capacity.log_entries())
         return entries
 
     def stream_epoch(self) -> float | None:

@@ -15,6 +15,7 @@ import logging
 import torch
 from accelerate.utils.memory import clear_device_cache
 
+from hf_noloco.components.capacity_balance import CapacityBalance
 from hf_noloco.components.column_stats import clip_gradients_, column_stats, nonfinite_report
 from hf_noloco.components.metrics import PredictionStats
 from hf_noloco.components.run_state import RunState
@@ -35,6 +36,7 @@ class TrainingStep:
         mesh, stage, engine, tied: the run's parts.
         run: the Trainer's objects (the outer optimizer reduces data-parallel gradients).
         predictions: where the last stage's right predictions and entropy are counted.
+        capacity: measures this rank's speed and rebalances the rows (``capacity_routing``), if any.
     """
 
     def __init__(
@@ -46,8 +48,10 @@ class TrainingStep:
         tied: TiedEmbeddings,
         run: RunState,
         predictions: PredictionStats | None = None,
+        capacity: CapacityBalance | None = None,
     ):
         self.args, self.mesh, self.stage, self.engine = args, mesh, stage, engine
+        self.capacity = capacity
         self.tied, self.run = tied, run
         self.predictions = predictions or PredictionStats(counts=False)
         self.grad_norm: torch.Tensor | None = None  # this step's column gradient norm
@@ -61,6 +65,8 @@ class TrainingStep:
         """Step ``step`` on ``inputs``; returns the column's loss."""
         self.stage.train()
         result = self.engine.train_step(inputs)
+        if self.capacity is not None:
+            self.capacity.after_step(step)
         self.predictions.add(result.token_stats, result.target_tokens)
         self.run.outer.reduce_gradients()  # ddp: first, so the tied sum below adds replica-averaged gradients
         self.tied.sum_gradients()

@@ -39,6 +39,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -139,6 +140,9 @@ class PipelineEngine:
         # Host seconds the last step spent waiting for peers (posting and waiting for messages): its bubble
         # as this rank saw it, on gloo (under NCCL's stream waits the host does not wait).
         self.wait_seconds = 0.0
+        # Host seconds of the last step not spent waiting for peers, and the rows this rank computed in it:
+        # its speed, for capacity routing (on a GPU the host runs ahead of the device; read it as a bound).
+        self.compute_seconds, self.rows_computed = 0.0, 0
         self.device = next(stage.parameters()).device
         self.activation_dtype = next(stage.parameters()).dtype
         self.wire_dtype = wire_dtype or self.activation_dtype
@@ -162,7 +166,7 @@ class PipelineEngine:
     def route_by_capacity(self, speeds: list[list[float]] | None, floor: float = 0.0) -> None:
         """From the next training step on, each replica of stage ``s`` computes a share of every microbatch's
         ``num_replicas * microbatch_size`` rows in proportion to ``speeds[s][replica]`` (no share below
-        ``floor``): same microbatches, same order, fewer rows on a slower replica
+        ``floor``, nor below one row): same microbatches, same order, fewer rows on a slower replica
         (:func:`~hf_noloco.engine.capacity.wave_counts`, :func:`~hf_noloco.engine.schedule.capacity_links`).
         Every rank must be given the same speeds. ``None``: equal rows again. Equal speeds route exactly as
         without."""
@@ -183,6 +187,7 @@ class PipelineEngine:
             return None
         speeds, floor = self.capacity
         group, micro = self.router.group_size, self.microbatch_size
+        floor = max(Fraction(repr(floor)), Fraction(1, group * micro))  # at least one row per microbatch
         keys = (self.router.seed, self.step_index)
         return [
             [wave_counts(stage_speeds, micro, group, *keys, s, m, floor=floor) for m in range(num_micro)]
@@ -346,6 +351,7 @@ class PipelineEngine:
                 deferred()
 
         self.peak_microbatches_held, self.wait_seconds = 0, 0.0
+        began = time.perf_counter()
         capacity = self.capacity_rows(rows // micro) if training else None
         if capacity is not None and all(c == micro for s in capacity for w in s for c in w):
             capacity = None  # equal rows: today's routing, bit for bit
@@ -385,6 +391,8 @@ class PipelineEngine:
                 [work for work, _ in pending], self.p2p_timeout, self._context("the step's last sends", None)
             )
             self.wait_seconds += time.perf_counter() - start
+            self.compute_seconds = time.perf_counter() - began - self.wait_seconds
+            self.rows_computed = sum(self._rows_of(m) for m in range(rows // micro))
         except Exception:
             # under on_replica_loss="continue", operations never waited for stay alive
             abandon(pending + [work for works, *_ in self._awaited.values() for work in works])

@@ -85,3 +85,34 @@ def test_unequal_rows_keep_every_sample_once_and_equal_speeds_route_as_today(pp,
                 assert seen == sorted(
                     (START + m * MICRO + j) * dp + r for r in range(dp) for j in range(MICRO)
                 )
+
+
+def _balance(floor):
+    from hf_noloco.components.capacity_balance import CapacityBalance
+
+    mesh = PipelineMesh.build(2)
+    stage = split_model(tiny_model("llama", LAYERS, seed=5), mesh.stage, 2, None)
+    engine = PipelineEngine(stage, mesh, Router(mesh.num_replicas, "sample", seed=11), MICRO, 30)
+    balance = CapacityBalance(mesh, engine, rebalance_steps=2, floor=floor, timeout=30)
+    batch = shard(make_batch(ROWS_PER_REPLICA * mesh.num_replicas, SEQ, seed=6), mesh.replica, 2)
+    seen = []
+    for step in (1, 2):
+        engine.train_step(batch)
+        # every rank's measured speed, replaced by a known one: rank k computes (k + 1) rows per second
+        engine.rows_computed = 0  # (the step's own measurement is not recorded)
+        balance.estimate.per_sample_seconds = 1.0 / (mesh.rank + 1)
+        balance.after_step(step)
+        seen.append(None if engine.capacity is None else engine.capacity[0])
+    return mesh.rank, seen, balance.log_entries(), engine.capacity_rows(ROWS_PER_REPLICA // MICRO)
+
+
+def test_the_rebalance_gives_every_rank_the_same_speeds_every_rebalance_steps():
+    results = run_distributed(_balance, 4, 0.3, timeout_s=120)
+    speeds = [[1.0, 3.0], [2.0, 4.0]]  # [stage][replica] from rank = replica * 2 + stage
+    for _, seen, entries, rows in results:
+        assert seen == [None, speeds]  # nothing before the second step, then every rank's speed
+        assert entries["capacity_speed_ratio"] == pytest.approx(4.0)
+        assert entries["capacity_min_share"] == pytest.approx(0.3)  # stage 0: 1/4 raised to the floor
+        assert rows == results[0][3]  # every rank derives the same rows
+        # 4 rows per microbatch at shares 0.3 / 0.7 (quotas 1.2, 2.8); stage 1 at 1/3, 2/3 (1.33, 2.67)
+        assert all(wave[0] in (1, 2) and sum(wave) == 4 for stage_rows in rows for wave in stage_rows)

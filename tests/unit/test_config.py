@@ -24,6 +24,9 @@ from hf_noloco.engine.shape import routing_group_size
             "routing_group_size must be a positive integer",
         ),
         ({"outer_optimizer": "local", "outer_overlap_steps": 1}, "needs an outer step to overlap"),
+        ({"capacity_routing": True, "routing": "fixed"}, "capacity_routing needs routing='sample' or 'step'"),
+        ({"capacity_rebalance_steps": 0}, "capacity_rebalance_steps must be a positive integer"),
+        ({"capacity_floor": 1.5}, r"capacity_floor must be in \[0, 1\), got 1.5"),
     ],
 )
 def test_bad_values_are_refused_naming_the_option(tmp_path, overrides, message):
