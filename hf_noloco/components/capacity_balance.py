@@ -61,7 +61,7 @@ class CapacityBalance:
         mine = self.estimate.speed or 0.0
         gathered = torch.zeros(mesh.world_size, dtype=torch.float64, device=mesh.device)
         collective(
-            dist.all_gather_into_tensor,
+            dist.all_gather_single,
             gathered,
             torch.tensor([mine], dtype=torch.float64, device=mesh.device),
             group=mesh.world_group,
