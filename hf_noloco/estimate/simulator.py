@@ -351,17 +351,22 @@ def tree_all_reduce(
         return {rank: ready[rank] for rank in ranks}
     seg = nbytes / segments
     children = {i: [c for c in (2 * i + 1, 2 * i + 2) if c < n] for i in range(n)}
+    # Up, every segment (each rank's sends up are one stream on its link), then down: on a shared uplink
+    # a rank's sends down queue behind its sends up (FIFO), as many bytes as if they interleaved.
     up_free = [ready[rank] for rank in ranks]  # when position i may send its next segment up
-    done = [ready[rank] for rank in ranks]
+    reduced = []  # per segment: when the root has it
     for _ in range(segments):
-        have = list(up_free)  # segment k reduced at position i (its own and its subtree's)
+        have = list(up_free)  # this segment reduced at position i (its own and its subtree's)
         for i in range(n - 1, 0, -1):  # children before parents
             parent = (i - 1) // 2
             arrival = network.link(ranks[i], ranks[parent]).transfer(seg, have[i])
             have[parent] = max(have[parent], arrival)
         up_free = have
+        reduced.append(have[0])
+    done = [ready[rank] for rank in ranks]
+    for root_has in reduced:
         down = [0.0] * n
-        down[0] = have[0]
+        down[0] = root_has
         for i in range(n):
             for c in children[i]:
                 down[c] = max(down[c], network.link(ranks[i], ranks[c]).transfer(seg, down[i]))
