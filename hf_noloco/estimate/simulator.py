@@ -427,6 +427,7 @@ def simulate_outer_periods(
     coupled: bool = False,
     first_outer_step: int = 0,
     tree_segments: int = 8,
+    phase: int = 0,
 ) -> PeriodResult:
     """``periods`` outer periods of ``num_replicas`` replica columns (rank ``replica * num_stages + stage``).
 
@@ -445,13 +446,19 @@ def simulate_outer_periods(
     waits until every one of its stages has what it needs, then spends ``outer_compute``. A last outer step
     whose tau steps would fall beyond the run is applied at its end (as ``finish_outer_step`` does). The
     column's stages move together (their pipeline couples them); pipeline messages are inside
-    ``step_time``, so exchanges have the links to themselves (each column on its own node)."""
+    ``step_time``, so exchanges have the links to themselves (each column on its own node). ``phase``:
+    outer step ``p`` starts after inner step ``p * H - phase`` (a measured window that begins right after an
+    outer step was applied and ends when the next one is: ``phase = tau``, ``periods = 1``)."""
     if method not in ("noloco", "diloco", "local"):
         raise ValueError(f"method must be noloco, diloco or local, got {method!r}")
     if collective not in ("ring", "tree", "gather"):
         raise ValueError(f"collective must be ring, tree or gather, got {collective!r}")
-    if not 0 <= overlap_steps <= inner_steps or len(stage_bytes) != num_stages:
-        raise ValueError("need 0 <= overlap_steps <= inner_steps and one stage_bytes per stage")
+    if (
+        not 0 <= overlap_steps <= inner_steps
+        or len(stage_bytes) != num_stages
+        or not 0 <= phase < inner_steps
+    ):
+        raise ValueError("need 0 <= overlap_steps <= inner_steps, 0 <= phase < H, one stage_bytes per stage")
     times = [step_time] * inner_steps if isinstance(step_time, (int, float)) else list(step_time)
     if len(times) != inner_steps:
         raise ValueError(f"step_time: one value or one per inner step ({inner_steps}), got {len(times)}")
@@ -482,7 +489,7 @@ def simulate_outer_periods(
             done = ready
         column = [max(done[r * pp + s] for s in range(pp)) for r in range(n)]
         spans.append(max(column) - min(clock))
-        apply_at = p * inner_steps + overlap_steps
+        apply_at = p * inner_steps - phase + overlap_steps
         pending[min(apply_at, periods * inner_steps)] = (p, column, list(clock))
 
     def apply(step: int) -> None:
@@ -507,8 +514,8 @@ def simulate_outer_periods(
             clock = [max(clock)] * n
         if method != "local":
             apply(k)  # the previous outer step, tau = H: applied before the next one starts
-            if k % inner_steps == 0:
-                start(k // inner_steps)
+            if (k + phase) % inner_steps == 0:
+                start((k + phase) // inner_steps)
                 apply(k)  # tau = 0: at once (and the last one, at the run's end)
     end = max(clock)
     return PeriodResult(

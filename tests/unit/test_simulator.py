@@ -260,3 +260,16 @@ def test_a_slow_replica_holds_its_partner_under_noloco_and_everyone_under_diloco
     assert min(ring.clocks) >= 2 * h * t  # every replica waited for the slow one
     coupled = simulate_outer_periods("local", n, 1, t, [b], Network(bw, lat), h, slow=slow, coupled=True)
     assert coupled.clocks == [pytest.approx(2 * h * t)] * n
+
+
+@pytest.mark.parametrize("tau", [0, 2, 3])
+def test_a_window_from_one_apply_to_the_next(tau):
+    """``phase = tau``: the outer step starts after step ``H - tau`` and is applied after step ``H``: the
+    window takes ``H T + max(0, x - tau T) + c``."""
+    h, t, bw, lat, b, c = 6, 0.2, 1000.0, 0.1, 300.0, 0.05
+    x = lat + b / bw
+    result = simulate_outer_periods(
+        "noloco", 2, 1, t, [b], Network(bw, lat), h, overlap_steps=tau, outer_compute=c, phase=tau
+    )
+    assert result.time == pytest.approx(h * t + max(0.0, x - tau * t) + c)
+    assert result.blocked == [pytest.approx(max(0.0, x - tau * t))]
