@@ -226,11 +226,45 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+TABLE_ARMS = [
+    "NoLoCo float32",
+    "NoLoCo int4",
+    "DiLoCo ring float32",
+    "DiLoCo tree float32",
+    "DiLoCo int4 (all-gather, as implemented)",
+    "DiLoCo ring int4 (hypothetical)",
+]
+
+
+def table(result: dict, mode: str = "blocking", replicas=(8, 64, 1024)) -> str:
+    """Markdown: seconds blocked per outer step (mean over replicas) per network, arm and replica count."""
+    rows = {(r["network"], r["replicas"], r["arm"]): r for r in result["rows"]}
+    head = "| network | arm | " + " | ".join(f"n = {n}" for n in replicas) + " | step at n = 1024 |"
+    lines = [head, "|---|---|" + "---:|" * (len(replicas) + 1)]
+    for net in NETWORKS:
+        for arm in TABLE_ARMS:
+            cells = [
+                f"{rows[net, n, arm][mode]['blocked_mean']:,.1f}" for n in replicas if (net, n, arm) in rows
+            ]
+            last = rows.get((net, max(replicas), arm))
+            step = f"{last[mode]['step_time']:,.2f}" if last else ""
+            lines.append(f"| {net} | {arm} | " + " | ".join(cells) + f" | {step} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 and 64 replicas, not saved")
     parser.add_argument("--output", default=RESULTS)
+    parser.add_argument("--replot", default=None, help="tables and plot of a result JSON, nothing simulated")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            result = json.load(f)
+        for mode in ("blocking", "overlap_H"):
+            print(f"\n{mode}: seconds blocked per outer step\n\n{table(result, mode)}")
+        plot(result, os.path.splitext(args.replot)[0] + ".png")
+        return 0
     started = time.time()
     replicas = [8, 64] if args.quick else REPLICAS
     result = run(replicas)
