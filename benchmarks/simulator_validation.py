@@ -28,7 +28,7 @@ or the gloo ring over shared node uplinks at the tbf rate) and each node's uplin
 window's wall time and the veth's tx_bytes (headers included). Addresses (a private /24) exist only inside
 the namespaces made here; all are deleted at the end, on errors and on Ctrl-C.
 
-    sudo flock /tmp/hf_noloco_bench.lock python benchmarks/simulator_validation.py   # ~15 min on 2 cores
+    sudo flock /tmp/hf_noloco_bench.lock python benchmarks/simulator_validation.py --rounds 3  # 5.6 min
     python benchmarks/simulator_validation.py --replot benchmarks/results/simulator_validation.json
 """
 
