@@ -401,10 +401,10 @@ class PeriodResult:
     clocks: list[float]  # per replica, its final time
 
 
-def _gossip_groups(num_replicas: int, group_size: int, seed: int, outer_step: int) -> list[list[int]]:
-    from hf_noloco.outer.gossip import gossip_groups
+def _gossip_groups(live: list[int], group_size: int, seed: int, outer_step: int) -> list[list[int]]:
+    from hf_noloco.outer.gossip import live_gossip_groups
 
-    return gossip_groups(num_replicas, group_size, seed, outer_step)
+    return [g for g in live_gossip_groups(live, group_size, seed, outer_step) if len(g) > 1]
 
 
 def simulate_outer_periods(
@@ -428,6 +428,7 @@ def simulate_outer_periods(
     first_outer_step: int = 0,
     tree_segments: int = 8,
     phase: int = 0,
+    live: Sequence[int] | None = None,
 ) -> PeriodResult:
     """``periods`` outer periods of ``num_replicas`` replica columns (rank ``replica * num_stages + stage``).
 
@@ -448,7 +449,10 @@ def simulate_outer_periods(
     column's stages move together (their pipeline couples them); pipeline messages are inside
     ``step_time``, so exchanges have the links to themselves (each column on its own node). ``phase``:
     outer step ``p`` starts after inner step ``p * H - phase`` (a measured window that begins right after an
-    outer step was applied and ends when the next one is: ``phase = tau``, ``periods = 1``)."""
+    outer step was applied and ends when the next one is: ``phase = tau``, ``periods = 1``). ``live``: the
+    replicas that take part in outer steps (default all); the others were dropped (``on_replica_loss:
+    continue``) and train alone: NoLoCo draws its groups among the live ones
+    (:func:`hf_noloco.outer.gossip.live_gossip_groups`), DiLoCo's ring or tree spans them."""
     if method not in ("noloco", "diloco", "local"):
         raise ValueError(f"method must be noloco, diloco or local, got {method!r}")
     if collective not in ("ring", "tree", "gather"):
@@ -472,21 +476,21 @@ def simulate_outer_periods(
     def start(p: int) -> None:
         ready = {r * pp + s: clock[r] for r in range(n) for s in range(pp)}
         done = {}
-        if method == "noloco" and n > 1:
-            groups = _gossip_groups(n, gossip_group_size, seed, first_outer_step + p - 1)
+        members = list(range(n)) if live is None else sorted(live)
+        if method == "noloco" and len(members) > 1:
+            groups = _gossip_groups(members, gossip_group_size, seed, first_outer_step + p - 1)
             for s in range(pp):
                 stage_groups = [[r * pp + s for r in g] for g in groups]
                 done.update(group_exchange(network, stage_groups, stage_bytes[s], ready, messages))
-        elif method == "diloco" and n > 1:
-            rings = [[r * pp + s for r in range(n)] for s in range(pp)]
+        elif method == "diloco" and len(members) > 1:
+            rings = [[r * pp + s for r in members] for s in range(pp)]
             if collective == "tree":
                 for s in range(pp):
                     done.update(tree_all_reduce(network, rings[s], stage_bytes[s], ready, tree_segments))
             else:
                 kind = "all_gather" if collective == "gather" else "all_reduce"
                 done.update(ring_collective(network, rings, list(stage_bytes), ready, kind))
-        else:
-            done = ready
+        done = {rank: done.get(rank, ready[rank]) for rank in ready}  # a dropped replica waits for nobody
         column = [max(done[r * pp + s] for s in range(pp)) for r in range(n)]
         spans.append(max(column) - min(clock))
         apply_at = p * inner_steps - phase + overlap_steps

@@ -273,3 +273,19 @@ def test_a_window_from_one_apply_to_the_next(tau):
     )
     assert result.time == pytest.approx(h * t + max(0.0, x - tau * t) + c)
     assert result.blocked == [pytest.approx(max(0.0, x - tau * t))]
+
+
+def test_a_dropped_replica_is_left_out_of_the_exchange():
+    """Replica 2 of 4 dropped. NoLoCo: the 3 live ones form one group of three (pairs, an odd count), each
+    receiving its two partners' copies on two links at once: ``latency + b / bw``; replica 2 waits for
+    nobody and sends nothing. DiLoCo: a ring of 3, ``2 * 2 * (latency + b / (3 bw))``."""
+    h, t, bw, lat, b = 4, 0.5, 1000.0, 0.1, 300.0
+    network = Network(bw, lat)
+    pairs = simulate_outer_periods("noloco", 4, 1, t, [b], network, h, live=[0, 1, 3])
+    x = lat + b / bw
+    assert pairs.blocked == [pytest.approx(3 * x / 4)]
+    assert pairs.clocks == [pytest.approx(h * t + x)] * 2 + [pytest.approx(h * t), pytest.approx(h * t + x)]
+    assert set(pairs.bytes_per_link) == {(a, c) for a in (0, 1, 3) for c in (0, 1, 3) if a != c}
+    ring = simulate_outer_periods("diloco", 4, 1, t, [b], Network(bw, lat), h, live=[0, 1, 3])
+    assert max(ring.clocks) == pytest.approx(h * t + 4 * (lat + b / 3 / bw))
+    assert ring.clocks[2] == pytest.approx(h * t)
