@@ -83,6 +83,7 @@ SETTING = dict(
     overlap_steps=8,
     rounds=2,
     mbits=[10, 40],  # link rates (Mbit/s per node uplink)
+    queue="100ms",  # tbf's queue (its latency bound), as slow_link.py's
 )
 MESHES = [(2, 2), (4, 2), (8, 2)]  # (dp, pp)
 
@@ -244,7 +245,7 @@ def _worker(plan_path: str) -> None:
 
     def set_rate(bits: float | None) -> None:
         if local_rank == 0:
-            set_link_rate(device, bits)
+            set_link_rate(device, bits, setting.get("queue", "100ms"))
         dist.barrier()
 
     def window(run: dict, rate_key: str) -> dict:
@@ -551,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--meshes", default=",".join(f"{d}x{p}" for d, p in MESHES), help="e.g. 2x2,4x2")
     parser.add_argument("--output", default=RESULTS)
     parser.add_argument("--rounds", type=int, default=None, help=f"rounds (default {SETTING['rounds']})")
+    parser.add_argument("--queue", default=SETTING["queue"], help="tbf's queue as a latency (e.g. 1s)")
     parser.add_argument("--replot", default=None, help="summarize a result JSON again, measure nothing")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -570,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"simulator_validation: skipped: {problem}")
         return 0
-    setting = dict(SETTING, rounds=args.rounds or SETTING["rounds"])
+    setting = dict(SETTING, rounds=args.rounds or SETTING["rounds"], queue=args.queue)
     started = time.time()
     meshes = {}
     for key in args.meshes.split(","):
