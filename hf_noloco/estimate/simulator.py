@@ -29,7 +29,8 @@ The model:
   times (from :func:`simulate_step`, times optional log-normal straggler factors), then the outer step's
   exchange over the stage's replicas (NoLoCo: :func:`hf_noloco.outer.gossip.gossip_groups`' partners;
   DiLoCo: a ring or tree all-reduce, or the ring all-gather of compressed packets), blocking or overlapped
-  with the next ``tau`` inner steps, and the outer update's own compute time.
+  with the next ``tau`` inner steps, and the outer update's own compute time;
+  dropped replicas (``live``) train alone.
 """
 
 from __future__ import annotations
