@@ -333,8 +333,9 @@ def _remove_stale_namespaces() -> None:
 # ------------------------------------------------------------------------------------------ worker
 
 
-def set_link_rate(device: str, bits_per_second: float | None) -> None:
-    """tbf on this namespace's end of the link (its egress); None removes the limit."""
+def set_link_rate(device: str, bits_per_second: float | None, queue: str = "100ms") -> None:
+    """tbf on this namespace's end of the link (its egress); None removes the limit. ``queue``: tbf's
+    ``latency``, the longest a packet may wait in its queue before it is dropped."""
     if bits_per_second is None:
         subprocess.run(["tc", "qdisc", "del", "dev", device, "root"], capture_output=True)
         return
@@ -342,7 +343,7 @@ def set_link_rate(device: str, bits_per_second: float | None) -> None:
     burst = max(int(rate / 8 * 0.004), 4 * MTU)  # 4 ms of traffic: smooth at every rate measured
     _run(
         "tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
-        "latency", "100ms",
+        "latency", queue,
     )  # fmt: skip
 
 
