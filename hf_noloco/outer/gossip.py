@@ -64,6 +64,17 @@ def group_of(groups: list[list[int]], replica: int) -> list[int]:
 
 
 @torch.no_grad()
+def group_mean_(theta: torch.Tensor, diffs: list[torch.Tensor]) -> torch.Tensor:
+    """A group's mean fast weights, in place in ``theta`` (this replica's own) and returned: ``theta + (1/n)
+    sum_j (theta_j - theta)`` over its ``n - 1`` partners' differences ``diffs`` (``theta_j - theta``, in the
+    group's order), ``n`` the group's size. Elementwise, so ``theta`` may be one replica's bucket or many
+    replicas' stacked along a first dimension."""
+    for diff in diffs:
+        theta.add_(diff, alpha=1.0 / (len(diffs) + 1))
+    return theta
+
+
+@torch.no_grad()
 def noloco_update_(
     phi: torch.Tensor,
     delta: torch.Tensor,

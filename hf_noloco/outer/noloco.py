@@ -16,6 +16,7 @@ from hf_noloco.outer.algorithm import OuterAlgorithm
 from hf_noloco.outer.checks import DeviceChecks
 from hf_noloco.outer.gossip import (
     divergence_from_partners,
+    group_mean_,
     group_of,
     live_gossip_groups,
     noloco_update_,
@@ -179,9 +180,7 @@ class NoLoCoExchange(OuterAlgorithm):
             if b != state.uncounted_bucket:  # the tied copy counted on the other stage
                 checks.add("sq_dist", dist_sq)
             diffs.append(diff)
-        theta_mean = theta
-        for diff in diffs:
-            theta_mean.add_(diff, alpha=1.0 / group_n)
+        theta_mean = group_mean_(theta, diffs)
         del diffs
         phi, delta = state.state_on(b, theta.device)
         phi_mean = None
