@@ -135,6 +135,7 @@ def _train_worker(spec: dict, train, eval_, out_dir: str):
         data_seed=spec["seed"],
         p2p_timeout=300,
         **outer,
+        **{k: spec[k] for k in ("boundary_dtype", "boundary_grad_dtype", "boundary_block_size") if k in spec},
     )
     config = LlamaConfig(**spec["model"], tie_word_embeddings=False)
     transformers.logging.set_verbosity_error()

@@ -45,7 +45,13 @@ OUTER_KEYS = {
     "group": "gossip_group_size",
     "dtype": "outer_dtype",
 }
-ARM_KEYS = ("method", "routing", *OUTER_KEYS)
+# The stage-boundary formats (any method): activations, their gradients, values per scale.
+BOUNDARY_KEYS = {
+    "boundary": "boundary_dtype",
+    "boundary_grad": "boundary_grad_dtype",
+    "boundary_block": "boundary_block_size",
+}
+ARM_KEYS = ("method", "routing", *OUTER_KEYS, *BOUNDARY_KEYS)
 METHODS = ("noloco", "diloco", "ddp", "local")
 ROUTINGS = ("sample", "step", "fixed")
 # What must be equal for runs of two part files to be compared: everything that shapes a run but its arm.
@@ -99,6 +105,9 @@ def normalize_arm(name: str, arm: dict) -> dict:
         if given:
             raise ValueError(f"arm {name!r}: {method} has no outer step; drop {', '.join(given)}")
         out.update(dict.fromkeys(OUTER_KEYS))
+    for key in BOUNDARY_KEYS:  # absent unless set (the arms recorded before had none)
+        if arm.get(key) is not None:
+            out[key] = arm[key]
     for key in ("color", "linestyle", "label"):
         if key in arm:
             out[key] = arm[key]
@@ -214,6 +223,9 @@ def run_spec(study: dict, mesh: str, arm_name: str, seed: int) -> dict:
             spec["outer_dtype"] = arm["dtype"]
     if arm["method"] == "noloco":
         spec.update(outer_averaging=arm["gamma"], gossip_group_size=arm["group"])
+    for key, option in BOUNDARY_KEYS.items():
+        if arm.get(key) is not None:
+            spec[option] = arm[key]
     if spec["microbatch_size"] is not None:
         spec["microbatch_size"] = min(spec["microbatch_size"], train["global_batch"] // dp)
     return spec
@@ -222,7 +234,7 @@ def run_spec(study: dict, mesh: str, arm_name: str, seed: int) -> dict:
 def arm_record(arm: dict) -> dict:
     """What identifies an arm's training (its plot style left out). A float32 wire is left out too: the runs
     recorded before ``dtype`` existed were float32."""
-    return {k: arm[k] for k in ARM_KEYS if k != "dtype" or arm.get(k) not in (None, "float32")}
+    return {k: arm[k] for k in ARM_KEYS if k in arm and (k != "dtype" or arm.get(k) not in (None, "float32"))}
 
 
 # --------------------------------------------------------------------------------------------- part files

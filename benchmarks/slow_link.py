@@ -721,6 +721,299 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+# ------------------------------------------------------------------- stages across the link (--placement)
+
+# --placement pp2 | pp2xdp2: stage 0 of every replica on node A, stage 1 on node B, so every microbatch's
+# activations and activation gradients cross the link (sample routing across the replicas with dp 2); no
+# outer sync (each replica steps its own AdamW), so the boundary is the only traffic on the link. Ranks are
+# started directly (not by torchrun) to choose that order: rank replica * 2 + stage runs on node `stage`.
+BOUNDARY_FORMATS = {  # name -> (boundary_dtype, boundary_grad_dtype); "wire f32": today's float32 wire
+    "wire f32": (None, None),
+    "bf16": ("bfloat16", "bfloat16"),
+    "int8": ("int8", "int8"),
+    "fp8": ("float8_e4m3", "float8_e5m2"),
+    "int4": ("int4", "int4"),
+}
+PLACEMENTS = {"pp2": 1, "pp2xdp2": 2}  # -> replicas
+STAGES_SETTING = dict(
+    model=SETTINGS["full"]["model"],
+    rows=8,
+    seq_len=128,
+    microbatch_size=2,
+    steps=3,
+    rounds=2,
+    link_gbits=[10, 1, 0.1],
+)
+
+
+def stage_node_egress(setting: dict, dp: int, fmt: tuple, keys=None, config=None) -> float:
+    """Bytes per step that leave node A (stage 0: activations and records) under the traffic model, for the
+    stage placement; ``config`` another model (the 8B reference), ``keys`` the router's real draws."""
+    from hf_noloco.estimate.traffic import step_traffic
+
+    traffic = step_traffic(
+        config or setting["model"],
+        seq_len=setting["seq_len"],
+        batch_size=setting["rows"],
+        pipeline_stages=PP,
+        num_replicas=dp,
+        procs_per_node=1,  # every rank's pipeline bytes cross (its peers are on the other node)
+        routing="sample",
+        outer=_local_outer(),
+        stage_params=[1] * PP,
+        routing_seed=ROUTING_SEED,
+        routing_keys=keys,
+        boundary_dtype=fmt[0],
+        boundary_grad_dtype=fmt[1],
+    )
+    return sum(r.pipeline_cross for r in traffic.ranks if r.stage == 0)
+
+
+def _local_outer():
+    from hf_noloco.outer.settings import OuterSettings
+
+    return OuterSettings("local")
+
+
+def stage_scaled_rates(setting: dict, dp: int, step_seconds: float, reference: dict = REFERENCE_8B) -> dict:
+    """``{8B link Gbit/s: emulated bit/s}`` for the stage placement: a step's float32 boundary bytes out of
+    node A over the link rate, against a step's compute time, equal here and for Llama-3-8B at pp 2 (one
+    stage per node, the reference's 8 samples of 4096 tokens per replica and step, its FLOPs model)."""
+    ref = dict(reference, pp=PP)
+    ref_setting = dict(seq_len=ref["seq_len"], rows=ref["rows"])
+    ref_bytes = stage_node_egress(ref_setting, dp, (None, None), config=ref["model"])
+    ref_seconds = reference_step_seconds(ref)
+    tiny_bytes = stage_node_egress(setting, dp, (None, None))
+    return {g: tiny_bytes / step_seconds * (g * 1e9 * ref_seconds / ref_bytes) for g in setting["link_gbits"]}
+
+
+def _stages_worker(plan_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from hf_noloco.engine.loading import build_stage
+    from hf_noloco.engine.mesh import PipelineMesh
+    from hf_noloco.engine.pipeline import PipelineEngine
+    from hf_noloco.engine.routing import Router
+
+    with open(plan_path) as f:
+        plan = json.load(f)
+    setting, dp = plan["setting"], plan["dp"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mesh = PipelineMesh.build(PP)
+    local_rank, device = int(os.environ["LOCAL_RANK"]), os.environ["GLOO_SOCKET_IFNAME"]
+    values = dict(setting["model"])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config._attn_implementation = "sdpa"
+    stage = build_stage(config, mesh.stage, PP, seed=0)
+    inner = torch.optim.AdamW(stage.parameters(), lr=1e-5)
+    engines, counts = {}, {}
+    for name, (fmt, grad_fmt) in BOUNDARY_FORMATS.items():
+        router = Router(mesh.num_replicas, "sample", seed=ROUTING_SEED)
+        engines[name] = PipelineEngine(
+            stage, mesh, router, setting["microbatch_size"], boundary_dtype=fmt, boundary_grad_dtype=grad_fmt
+        )
+        counts[name] = 0
+
+    def train(name: str, steps: int) -> float:
+        waited = 0.0
+        for _ in range(steps):
+            g = torch.Generator().manual_seed(counts[name] * 1000 + mesh.replica)
+            ids = torch.randint(0, config.vocab_size, (setting["rows"], setting["seq_len"]), generator=g)
+            inner.zero_grad(set_to_none=True)
+            engines[name].train_step({"input_ids": ids})
+            inner.step()
+            waited += engines[name].wait_seconds
+            counts[name] += 1
+        return waited
+
+    def set_rate(bits):
+        if local_rank == 0:
+            set_link_rate(device, bits)
+        dist.barrier()
+
+    def window(name: str, rate_key: str) -> dict:
+        first_step = counts[name]
+        dist.barrier()
+        before = link_counters(device) if local_rank == 0 else None
+        dist.barrier()
+        load, start, own = load_average(), time.perf_counter(), time.process_time()
+        waited = train(name, setting["steps"])
+        dist.barrier()
+        seconds, own = time.perf_counter() - start, time.process_time() - own
+        after = link_counters(device) if local_rank == 0 else None
+        record = dict(
+            run=name, rate=rate_key, steps=setting["steps"], first_step=first_step, seconds=seconds,
+            tokens=setting["steps"] * setting["rows"] * setting["seq_len"] * mesh.num_replicas,
+            load=load, cpu_s=own, wait_s=waited, stage=mesh.stage,
+        )  # fmt: skip
+        if before is not None:
+            record["link"] = {k: after[k] - before[k] for k in after}
+        return record
+
+    set_rate(None)
+    for name in engines:  # warm-up: one step each
+        train(name, 1)
+    calibration = [window("wire f32", "unlimited")["seconds"] / setting["steps"] for _ in range(2)]
+    rates = [stage_scaled_rates(setting, dp, statistics.median(calibration))] if mesh.rank == 0 else [None]
+    dist.broadcast_object_list(rates, src=0)
+    rates = {str(g): bits for g, bits in rates[0].items()}
+    order, names = ["unlimited", *rates], list(engines)
+    records = []
+    for round_index in range(setting["rounds"]):
+        for rate_key in order if round_index % 2 == 0 else order[::-1]:
+            set_rate(None if rate_key == "unlimited" else rates[rate_key])
+            for name in names if round_index % 2 == 0 else names[::-1]:
+                record = window(name, rate_key)
+                record["round"] = round_index
+                records.append(record)
+                if mesh.rank == 0:
+                    print(f"round {round_index} {rate_key:>9} {name:<9} "
+                          f"{record['tokens'] / record['seconds']:8.0f} tokens/s  load {record['load']:.1f}",
+                          flush=True)  # fmt: skip
+    set_rate(None)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    if mesh.rank == 0:
+        merged = []
+        for i, record in enumerate(gathered[0]):
+            other = gathered[1][i]  # rank 1 (stage 1 of replica 0): node B's local rank 0, its counters
+            record["link_per_node"] = [record.pop("link"), other["link"]]
+            record["link_bytes"] = sum(n["tx_bytes"] for n in record["link_per_node"])
+            record["wait_s_per_rank"] = [g[i]["wait_s"] for g in gathered]
+            merged.append(record)
+        with open(plan["output"], "w") as f:
+            json.dump({"rates": rates, "calibration_step_seconds": calibration, "windows": merged}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch_stages(setting: dict, dp: int, timeout_s: float) -> dict:
+    """Runs the stage-placement worker: ranks replica * 2 + stage, stage 0 on node A, stage 1 on node B."""
+    _remove_stale_namespaces()
+    world = PP * dp
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        nodes = stack.enter_context(TwoNodes(str(os.getpid())))
+        plan_path, output = os.path.join(tmp, "plan.json"), os.path.join(tmp, "windows.json")
+        with open(plan_path, "w") as f:
+            json.dump({"setting": setting, "dp": dp, "output": output}, f)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        pythonpath = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
+        logs, procs = [], []
+        try:
+            for rank in range(world):
+                replica, node = divmod(rank, PP)
+                ranks_env = [
+                    f"RANK={rank}", f"WORLD_SIZE={world}", f"LOCAL_RANK={replica}", f"LOCAL_WORLD_SIZE={dp}",
+                    f"MASTER_ADDR={ADDRESSES[0]}", f"MASTER_PORT={port}",
+                    f"GLOO_SOCKET_IFNAME={nodes.devices[node]}",
+                ]  # fmt: skip
+                cmd = ["ip", "netns", "exec", nodes.namespaces[node], "env", *ranks_env,
+                       sys.executable, os.path.abspath(__file__), "--stages-worker", plan_path]  # fmt: skip
+                log = stack.enter_context(open(os.path.join(tmp, f"rank{rank}.log"), "w+"))
+                logs.append(log)
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))  # fmt: skip
+            deadline = time.monotonic() + timeout_s
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the ranks did not finish within {timeout_s:.0f} s")
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.5)
+            codes = [p.poll() for p in procs]
+            if any(c != 0 for c in codes):
+                raise RuntimeError(f"the ranks exited with {codes}:\n" + "\n".join(_tail(lg) for lg in logs))
+            with open(output) as f:
+                return json.load(f)
+        finally:
+            _stop(procs)
+
+
+def summarize_stages(setting: dict, dp: int, measured: dict) -> list[dict]:
+    windows, rates = measured["windows"], measured["rates"]
+    by = {(w["run"], w["rate"], w["round"]): w for w in windows}
+    rounds = sorted({w["round"] for w in windows})
+    rows = []
+    for name, fmt in BOUNDARY_FORMATS.items():
+        for rate_key in ["unlimited", *rates]:
+            ws = [by[name, rate_key, r] for r in rounds if (name, rate_key, r) in by]
+            units = [by[name, "unlimited", w["round"]] for w in ws]
+            ratios = [(w["tokens"] / w["seconds"]) / (u["tokens"] / u["seconds"]) for w, u in zip(ws, units)]
+            keys = lambda w: [  # the samples a window trained
+                (t, k)
+                for t in range(w["first_step"], w["first_step"] + w["steps"])
+                for k in range(t * setting["rows"], (t + 1) * setting["rows"])
+            ]
+            # node A's egress, the busier direction (activations and records)
+            predicted = [stage_node_egress(setting, dp, fmt, keys(w)) * w["steps"] for w in ws]
+            measured_a = [w["link_per_node"][0]["tx_bytes"] for w in ws]
+            link_over_compute = None
+            if rate_key != "unlimited":
+                link_over_compute = statistics.median(
+                    a * 8 / rates[rate_key] / u["seconds"] for a, u in zip(measured_a, units)
+                )
+            rows.append(
+                dict(
+                    placement=f"pp2xdp{dp}" if dp > 1 else "pp2",
+                    config=name,
+                    boundary_dtype=fmt[0],
+                    boundary_grad_dtype=fmt[1],
+                    rate=rate_key,
+                    link_bits_per_second=rates.get(rate_key),
+                    tokens_per_second=statistics.median(w["tokens"] / w["seconds"] for w in ws),
+                    vs_unlimited=statistics.median(ratios),
+                    vs_unlimited_rounds=ratios,
+                    link_over_compute=link_over_compute,
+                    node_a_bytes_measured_over_model=sum(measured_a) / sum(predicted),
+                    wait_s_per_rank=[
+                        statistics.median(w["wait_s_per_rank"][i] for w in ws)
+                        for i in range(len(ws[0]["wait_s_per_rank"]))
+                    ],  # fmt: skip
+                    load=[w["load"] for w in ws],
+                )
+            )
+    return rows
+
+
+def main_stages(args) -> int:
+    problem = namespace_problem()
+    if problem:
+        print(f"{SKIP_PREFIX} {problem}")
+        return 0
+    setting = dict(STAGES_SETTING)
+    if args.rounds:
+        setting["rounds"] = args.rounds
+    if args.gbits:
+        setting["link_gbits"] = [float(g) for g in args.gbits.split(",")]
+    started = time.time()
+    result = dict(mode="stages", setting=setting, placements={}, summary=[], started=time.ctime(started))
+    for placement in args.placement.split(","):
+        dp = PLACEMENTS[placement]
+        measured = launch_stages(setting, dp, args.timeout)
+        result["placements"][placement] = measured
+        result["summary"] += summarize_stages(setting, dp, measured)
+    result["wall_s"] = time.time() - started
+    result["machine"] = dict(cores=os.cpu_count(), platform=platform.platform())
+    for row in result["summary"]:
+        loc = "" if row["link_over_compute"] is None else f"link/compute {row['link_over_compute']:.2f}"
+        print(f"{row['placement']:<8} {row['config']:<9} {row['rate']:>9} {row['tokens_per_second']:8.0f} "
+              f"tokens/s {row['vs_unlimited']:.2f} of unlimited  {loc:<20} "
+              f"bytes/model {row['node_a_bytes_measured_over_model']:.3f}")  # fmt: skip
+    output = args.output or os.path.join(HERE, "results", "slow_link_boundary.json")
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    with open(output, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, one rate, one round")
@@ -735,11 +1028,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help=f"result JSON (default {RESULTS}; --quick: not saved)")
     parser.add_argument("--replot", default=None, help="redraw the plot of a result JSON, measure nothing")
     parser.add_argument("--timeout", type=float, default=4 * 3600)
+    parser.add_argument(
+        "--placement",
+        default=None,
+        help="pp2 and/or pp2xdp2 (comma-separated): stages on different nodes, every boundary format "
+        "(float32 wire, bf16, int8, fp8, int4) at the 8B-equivalent boundary rates (default 10,1,0.1 Gbit/s)",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--stages-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
         return 0
+    if args.stages_worker:
+        _stages_worker(args.stages_worker)
+        return 0
+    if args.placement:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+        return main_stages(args)
     if args.replot:  # summary (from the recorded windows), table and plot again; nothing is measured
         with open(args.replot) as f:
             result = json.load(f)

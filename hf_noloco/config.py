@@ -36,6 +36,7 @@ from hf_noloco.rules import (
     ROUTING_DOMAINS,
     ROUTINGS,
     STAGE_BALANCES,
+    BoundaryDtype,
     ExportDtype,
     HubStrategyName,
     LossType,
@@ -46,6 +47,7 @@ from hf_noloco.rules import (
     Routing,
     RoutingDomain,
     StageBalance,
+    check_boundary_formats,
     check_choice,
     check_export_replica,
     check_finite_numbers,
@@ -182,6 +184,34 @@ class NoLoCoConfig(OuterSettings, TrainingArguments):
             With `capacity_routing`: the least share of a microbatch's rows any replica of a routing group
             gets, so a slow replica still trains and stays in the gossip (and never fewer than one row per
             microbatch). A replica held at the floor for three rebalances in a row is named in a warning.
+
+        > Stage boundaries
+
+        boundary_dtype (`str` or `None`, *optional*, defaults to `None`):
+            How a microbatch's activations travel to the next stage (per token, one row of `hidden_size`
+            values): `None` keeps the wire dtype (bfloat16 under `bf16`, else the weights' dtype); `"float32"`
+            and `"bfloat16"` are casts; `"int8"` (integers in [-127, 127]), `"float8_e4m3"`, `"float8_e5m2"`
+            (8 bits) and `"int4"` (integers in [-7, 7], two per byte) are scaled by the absolute maximum of
+            each scale group (`boundary_block_size`) and carry its float32 scale. Bytes per token at hidden
+            size 4096: float32 16384, bfloat16 8192, the 8-bit formats 4100, int4 2052 (one scale per token).
+            Every packet stands alone (no error feedback): any replica of the next stage decodes any sender's.
+            Which to use: the wire dtype while the link carries a microbatch's activations in less than a
+            microbatch's compute (a microbatch's send overlaps the next one's compute); a scaled format on
+            slower links, where stages are on different machines (measured costs and speeds:
+            `docs/stage-boundaries.md`).
+        boundary_grad_dtype (`str` or `None`, *optional*, defaults to `None`):
+            The same for the activation gradients sent back to the previous stage; `"float8_e5m2"` has the
+            wider range gradients need among the 8-bit floats. `None`: the wire dtype.
+        boundary_block_size (`int` or `None`, *optional*, defaults to `None`):
+            Values per float32 scale of the scaled boundary formats: `None` one scale per token (the fewest
+            bytes), or a divisor of `hidden_size` (even for int4): each block of that many values of a token
+            gets its own scale, so one large value (an outlier channel) coarsens only its block, for 4 bytes
+            more per block and token.
+        boundary_grad_stochastic_rounding (`bool`, *optional*, defaults to `False`):
+            Round the scaled gradient format stochastically (up or down with the probabilities that make
+            each decoded value unbiased; seeded from `routing_seed`, the step, microbatch, stage and replica,
+            so runs repeat), so rounding errors average out in the weight gradients instead of adding up.
+            Needs a scaled `boundary_grad_dtype`.
 
         > Outer optimizer
 
@@ -347,6 +377,10 @@ class NoLoCoConfig(OuterSettings, TrainingArguments):
     capacity_routing: bool = False
     capacity_rebalance_steps: int = 10
     capacity_floor: float = 0.05
+    boundary_dtype: BoundaryDtype | None = None
+    boundary_grad_dtype: BoundaryDtype | None = None
+    boundary_block_size: int | None = None
+    boundary_grad_stochastic_rounding: bool = False
     # The outer optimizer's fields (and routing_seed) are OuterSettings', inherited: declared once.
     model_init_kwargs: dict | str | None = None
     master_weights: MasterWeights = "float32"
@@ -454,6 +488,9 @@ def check_config(c, joining: bool = False) -> None:
     if c.routing_group_size is not None:  # the launch-dependent checks come with the mesh shape, below
         routing_group_size(c.routing_domain, c.routing_group_size, c.routing_group_size, 1)
     check_choice("pipeline_schedule", c.pipeline_schedule, PIPELINE_SCHEDULES)
+    check_boundary_formats(
+        c.boundary_dtype, c.boundary_grad_dtype, c.boundary_block_size, c.boundary_grad_stochastic_rounding
+    )
     check_choice("loss_type", c.loss_type, LOSS_TYPES)
     if c.loss_type == "chunked_nll":  # TRL's deprecated name of nll
         c.loss_type = "nll"

@@ -30,6 +30,8 @@ LossType = Literal["nll", "dft", "chunked_nll"]
 StageBalance = Literal["layers", "compute"]
 OuterMethod = Literal["noloco", "diloco", "ddp", "local"]
 OuterDtype = Literal["float32", "bfloat16", "int8", "float8_e4m3", "int4"]
+# A stage boundary's wire format (the formats of hf_noloco.engine.boundary_codec); unset: the wire dtype.
+BoundaryDtype = Literal["float32", "bfloat16", "float8_e4m3", "float8_e5m2", "int8", "int4"]
 NonfiniteAction = Literal["error", "skip"]
 ReplicaLossAction = Literal["stop", "continue"]
 # What the optimizer steps when the weights are bf16 (see NoLoCoConfig.master_weights).
@@ -50,6 +52,8 @@ LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 STAGE_BALANCES: tuple[str, ...] = get_args(StageBalance)
 OUTER_METHODS: tuple[str, ...] = get_args(OuterMethod)
 OUTER_DTYPES: tuple[str, ...] = get_args(OuterDtype)
+BOUNDARY_DTYPES: tuple[str, ...] = get_args(BoundaryDtype)
+SCALED_BOUNDARY_DTYPES = ("float8_e4m3", "float8_e5m2", "int8", "int4")  # with float32 scales
 NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonfiniteAction)
 REPLICA_LOSS_ACTIONS: tuple[str, ...] = get_args(ReplicaLossAction)
 MASTER_WEIGHTS: tuple[str, ...] = get_args(MasterWeights)
@@ -135,6 +139,32 @@ def default_microbatch_size(batch_size: int, pipeline_stages: int) -> int:
     wanted = 2 * pipeline_stages if pipeline_stages > 1 else 1
     divisors = [m for m in range(batch_size, 0, -1) if batch_size % m == 0 and batch_size // m >= wanted]
     return divisors[0] if divisors else 1
+
+
+def check_boundary_formats(dtype, grad_dtype, block_size, grad_stochastic_rounding) -> None:
+    """The stage-boundary wire settings (``boundary_dtype``, ``boundary_grad_dtype``, ``boundary_block_size``,
+    ``boundary_grad_stochastic_rounding``); whether the block size divides the hidden size is checked where
+    the model is known (the engine)."""
+    for name, value in (("boundary_dtype", dtype), ("boundary_grad_dtype", grad_dtype)):
+        if value is not None:
+            check_choice(name, value, BOUNDARY_DTYPES)
+    if block_size is not None:
+        check_positive_int("boundary_block_size", block_size)
+        if dtype not in SCALED_BOUNDARY_DTYPES and grad_dtype not in SCALED_BOUNDARY_DTYPES:
+            raise ValueError(
+                f"boundary_block_size={block_size} sets the scale groups of a scaled boundary format: set "
+                f"boundary_dtype or boundary_grad_dtype to one of {', '.join(SCALED_BOUNDARY_DTYPES)}, or "
+                "leave boundary_block_size unset."
+            )
+    if not isinstance(grad_stochastic_rounding, bool):
+        raise ValueError(
+            f"boundary_grad_stochastic_rounding must be true or false, got {grad_stochastic_rounding!r}."
+        )
+    if grad_stochastic_rounding and grad_dtype not in SCALED_BOUNDARY_DTYPES:
+        raise ValueError(
+            "boundary_grad_stochastic_rounding rounds a scaled gradient format: set boundary_grad_dtype to "
+            f"one of {', '.join(SCALED_BOUNDARY_DTYPES)} (got {grad_dtype!r})."
+        )
 
 
 def check_export_replica(replica: int | None, num_replicas: int) -> None:

@@ -263,6 +263,10 @@ def build_run_parts(
         wire_dtype=torch.bfloat16 if args.bf16 else None,  # what autocast computes in: half the bytes
         loss_type=args.loss_type,
         offload_activations=args.activation_offloading,
+        boundary_dtype=args.boundary_dtype,
+        boundary_grad_dtype=args.boundary_grad_dtype,
+        boundary_block_size=args.boundary_block_size,
+        boundary_grad_stochastic_rounding=args.boundary_grad_stochastic_rounding,
     )
     loaders = ReplicaLoaders(mesh, args, inputs.collate_fn)
     throughput = Throughput(stage.config, mesh.is_first_stage, args)  # the peak FLOPS from args

@@ -28,7 +28,10 @@ share a scale with another token; the scales travel as their own tensor; the e5m
 rounding; and no error feedback: a stage's receiver changes per sample under random routing, so a sender
 has no stable peer to whom a kept rounding error could be carried over, and every packet must stand alone.
 
-Not wired into the pipeline here (no ``boundary_dtype`` option yet): this module only defines the formats.
+The pipeline (:class:`~hf_noloco.engine.pipeline.PipelineEngine`, options ``boundary_dtype`` and
+``boundary_grad_dtype``) encodes each microbatch's boundary tensor once and sends each receiver the packet
+rows of its samples: a packet's tensors are cut per sample row (:func:`packet_layout` gives their dtypes and
+elements per token, from which receive buffers are shaped).
 """
 
 from __future__ import annotations
@@ -105,6 +108,17 @@ def bytes_per_token(fmt: str, hidden: int, block_size: int | None = None) -> int
     if fmt in FLOAT_FORMATS:
         return hidden * FLOAT_FORMATS[fmt].itemsize
     return hidden * SCALED_BITS[fmt] // 8 + groups * SCALE_BYTES
+
+
+def packet_layout(
+    fmt: str, hidden: int, block_size: int | None = None
+) -> tuple[tuple[torch.dtype, int], ...]:
+    """``(dtype, elements per token)`` of each tensor of a packet, in :func:`encode`'s order; their bytes sum
+    to :func:`bytes_per_token`."""
+    groups = _groups(fmt, hidden, block_size)
+    if fmt in FLOAT_FORMATS:
+        return ((FLOAT_FORMATS[fmt], hidden),)
+    return ((torch.uint8, hidden * SCALED_BITS[fmt] // 8), (torch.float32, groups))
 
 
 def packet_bytes(packet: tuple[torch.Tensor, ...]) -> int:

@@ -28,12 +28,16 @@ positions are host data (stage 0), not from the positions in every decoder layer
 No forward is recomputed unless asked: activation checkpointing of the decoder layers
 (``PipelineStage.activation_checkpointing_enable``) and the chunked loss (``loss_chunk_tokens``) trade a
 recomputation for memory. Activations and gradients travel in
-``wire_dtype`` (bfloat16 under bf16 mixed precision: half the bytes) and are computed in the stage's dtype.
+``wire_dtype`` (bfloat16 under bf16 mixed precision: half the bytes) and are computed in the stage's dtype,
+unless ``boundary_dtype`` / ``boundary_grad_dtype`` name a format of :mod:`hf_noloco.engine.boundary_codec`:
+then a microbatch's tensor is encoded once, before it is sent (tensor operations only: no host sync), each
+receiver gets the packet rows of its samples, and decodes them where they are first used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
 from collections import OrderedDict
@@ -44,6 +48,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
+from hf_noloco.engine.boundary_codec import decode, encode, packet_layout
 from hf_noloco.engine.capacity import boundary_pairs, wave_counts
 from hf_noloco.engine.comm import abandon, collective, exchange, post, strict_p2p, wait_sends
 from hf_noloco.engine.losses import TOKEN_STATS, next_token_losses, target_token_count
@@ -55,6 +60,8 @@ from hf_noloco.engine.stage import PipelineStage, offload_saved_tensors, packed_
 from hf_noloco.rules import (
     LOSS_TYPES,
     PIPELINE_SCHEDULES,
+    SCALED_BOUNDARY_DTYPES,
+    check_boundary_formats,
     check_choice,
     check_microbatch_size,
     check_positive_int,
@@ -104,6 +111,11 @@ class PipelineEngine:
         loss_type: ``"nll"`` or ``"dft"`` (each token's loss weighted by its predicted probability).
         offload_activations: what a training forward saves for its backward is kept in host memory (pinned,
             copied without blocking: :func:`~hf_noloco.engine.stage.offload_saved_tensors`).
+        boundary_dtype / boundary_grad_dtype: the format of :mod:`~hf_noloco.engine.boundary_codec` the
+            activations / their gradients travel in; ``None``: ``wire_dtype``.
+        boundary_block_size: values per scale of the scaled formats (``None``: one scale per token).
+        boundary_grad_stochastic_rounding: the scaled gradient format rounds stochastically, seeded from the
+            router's seed, the step, the microbatch, this stage and replica.
     """
 
     def __init__(
@@ -119,6 +131,10 @@ class PipelineEngine:
         wire_dtype: torch.dtype | None = None,
         loss_type: str = "nll",
         offload_activations: bool = False,
+        boundary_dtype: str | None = None,
+        boundary_grad_dtype: str | None = None,
+        boundary_block_size: int | None = None,
+        boundary_grad_stochastic_rounding: bool = False,
     ):
         check_choice("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
         check_choice("loss_type", loss_type, LOSS_TYPES)
@@ -146,6 +162,19 @@ class PipelineEngine:
         self.device = next(stage.parameters()).device
         self.activation_dtype = next(stage.parameters()).dtype
         self.wire_dtype = wire_dtype or self.activation_dtype
+        check_boundary_formats(
+            boundary_dtype, boundary_grad_dtype, boundary_block_size, boundary_grad_stochastic_rounding
+        )
+        self.boundary_formats = {FORWARD: boundary_dtype, BACKWARD: boundary_grad_dtype}
+        self.boundary_block_size = boundary_block_size
+        self.boundary_grad_stochastic_rounding = boundary_grad_stochastic_rounding
+        self._layouts = {}  # phase -> the packet's (dtype, elements per token), None for wire_dtype
+        for phase, fmt in self.boundary_formats.items():  # a block size the model refuses fails here
+            block = boundary_block_size if fmt in SCALED_BOUNDARY_DTYPES else None
+            self._layouts[phase] = (
+                None if fmt is None else packet_layout(fmt, stage.config.hidden_size, block)
+            )
+        self._rounding = torch.Generator(device=self.device) if boundary_grad_stochastic_rounding else None
         self._indices: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # see _index
         self.step_index = 0  # training steps run: the routing key of `step` granularity
         self.samples_seen = 0  # per-replica samples trained on: the routing key of `sample` granularity
@@ -295,7 +324,7 @@ class PipelineEngine:
             elif stage.is_first:
                 x, mb_meta = input_ids[m * micro : (m + 1) * micro], meta[m * micro : (m + 1) * micro]
             else:
-                x, mb_meta = self._arrived(arrived, FORWARD, m, micro)
+                x, mb_meta = self._decode(self._arrived(arrived, FORWARD, m, micro), FORWARD, seq_len)
                 x = x.to(self.activation_dtype).requires_grad_(training)
             sample_ids.append(mb_meta[:, 0])
             labels, attention_mask, position_ids = _unpack_meta(mb_meta, seq_len, has_mask, has_positions)
@@ -328,7 +357,7 @@ class PipelineEngine:
                 else:
                     loss += token_losses.sum()
             else:
-                outgoing[FORWARD, m] = (y.detach().to(self.wire_dtype), mb_meta)
+                outgoing[FORWARD, m] = (*self._encode(y.detach(), FORWARD, m), mb_meta)
             if training:
                 inputs[m], outputs[m] = x, y
             held = len(outputs) + len(weights)
@@ -336,14 +365,18 @@ class PipelineEngine:
 
         def backward(m: int) -> None:
             x, y = inputs.pop(m), outputs.pop(m)  # dropping them frees the microbatch's activations
-            grad = None if stage.is_last else self._arrived(arrived, BACKWARD, m, micro)[0].to(y.dtype)
+            if not stage.is_last:
+                received = self._arrived(arrived, BACKWARD, m, micro)
+                grad = self._decode(received, BACKWARD, seq_len, y.dtype)[0].to(y.dtype)
+            else:
+                grad = None
             if split:  # the weight gradients' share of the graph stays alive in weights[m] until its W
                 x_grad, weights[m] = backward_input(y, grad, x, stage.parameters())
             else:
                 torch.autograd.backward(y, grad)
                 x_grad = x.grad
             if not stage.is_first:
-                outgoing[BACKWARD, m] = (x_grad.to(self.wire_dtype),)
+                outgoing[BACKWARD, m] = self._encode(x_grad, BACKWARD, m)
 
         def weight(m: int) -> None:
             deferred = weights.pop(m, None)
@@ -519,12 +552,45 @@ class PipelineEngine:
         return arrived.pop((phase, m))
 
     def _receive_buffers(self, phase: str, rows: int, seq_len: int) -> tuple[torch.Tensor, ...]:
-        hidden = torch.empty(
-            rows, seq_len, self.stage.config.hidden_size, dtype=self.wire_dtype, device=self.device
-        )
+        layout = self._layouts[phase]
+        if layout is None:
+            size = (rows, seq_len, self.stage.config.hidden_size)
+            values = (torch.empty(size, dtype=self.wire_dtype, device=self.device),)
+        else:  # the packet's tensors, one row per sample
+            values = tuple(torch.empty(rows, seq_len * n, dtype=dt, device=self.device) for dt, n in layout)
         if phase != FORWARD:
-            return (hidden,)
-        return hidden, torch.empty(rows, _META_FIXED + 3 * seq_len, dtype=torch.int64, device=self.device)
+            return values
+        return *values, torch.empty(rows, _META_FIXED + 3 * seq_len, dtype=torch.int64, device=self.device)
+
+    def _encode(self, tensor: torch.Tensor, phase: str, m: int) -> tuple[torch.Tensor, ...]:
+        """What leaves for a boundary tensor ``[rows, seq_len, hidden]``: its ``wire_dtype`` cast, or its
+        packet with one row per sample (so that a routed message takes the rows of its samples)."""
+        fmt = self.boundary_formats[phase]
+        if fmt is None:
+            return (tensor.detach().to(self.wire_dtype),)
+        block = self.boundary_block_size if fmt in SCALED_BOUNDARY_DTYPES else None
+        generator = None
+        if phase == BACKWARD and self._rounding is not None:
+            key = (self.router.seed, self.step_index, m, self.mesh.stage, self.mesh.replica)
+            digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+            generator = self._rounding.manual_seed(int.from_bytes(digest, "little") >> 1)
+        packet = encode(tensor, fmt, block, generator)
+        return tuple(t.view(tensor.shape[0], -1) for t in packet)
+
+    def _decode(
+        self, received: tuple[torch.Tensor, ...], phase: str, seq_len: int, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """``received`` with its leading packet decoded into one ``[rows, seq_len, hidden]`` tensor (in
+        ``dtype``, default the stage's); a ``wire_dtype`` tensor is returned as it came."""
+        layout = self._layouts[phase]
+        if layout is None:
+            return received
+        packet, rest = received[: len(layout)], received[len(layout) :]
+        rows = packet[0].shape[0]
+        shape = (rows, seq_len, self.stage.config.hidden_size)
+        tokens = tuple(t.reshape(rows * seq_len, -1) for t in packet)
+        values = decode(tokens, self.boundary_formats[phase], shape, dtype or self.activation_dtype)
+        return values, *rest
 
     def _assemble(self, parts: list, micro: int) -> tuple[torch.Tensor, ...]:
         """The microbatch's tensors from the rows each peer sent (one peer: its message is the microbatch)."""

@@ -14,7 +14,8 @@ carry):
   replica is uniform over the sender's routing group (all replicas, or with ``routing_domain: node`` those
   of its node); random routing is counted by its expectation, or, given the samples a run really trained
   (``routing_keys``), by the router's own draws for them. ``fixed`` routing (or a group of one) keeps every
-  sample in its replica column.
+  sample in its replica column. A ``boundary_dtype`` (``boundary_grad_dtype``) counts the activations
+  (gradients) as their packets, scales included (:func:`hf_noloco.engine.boundary_codec.bytes_per_token`).
 - **sync**: ``ddp`` all-reduces the gradients every step, ``diloco`` the pseudo-gradients every
   ``inner_steps``, both counted as a ring all-reduce over the stage's replicas in replica order (each rank
   sends ``2 (n - 1) / n`` of the buffer to the next replica: what gloo does; NCCL picks its own rings and
@@ -35,16 +36,34 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_noloco.engine.boundary_codec import bytes_per_token
 from hf_noloco.engine.routing import Router
 from hf_noloco.engine.shape import mesh_shape
 from hf_noloco.outer.compression import is_compressed, wire_bytes
 from hf_noloco.outer.settings import OuterSettings
-from hf_noloco.rules import OUTER_STEP_METHODS, ROUTINGS, check_choice, check_positive_int
+from hf_noloco.rules import (
+    OUTER_STEP_METHODS,
+    ROUTINGS,
+    SCALED_BOUNDARY_DTYPES,
+    check_boundary_formats,
+    check_choice,
+    check_positive_int,
+)
 
 
 def record_bytes_per_row(seq_len: int) -> int:
     """Bytes of the int64 record a sample carries between stages: id, token count, labels, mask, positions."""
     return 8 * (2 + 3 * seq_len)
+
+
+def boundary_bytes_per_token(
+    hidden: int, value_bytes: int, fmt: str | None = None, block_size: int | None = None
+) -> int:
+    """Bytes per token of one boundary tensor on the wire: ``hidden`` values of ``value_bytes`` each (the wire
+    dtype), or ``fmt``'s packet (:func:`~hf_noloco.engine.boundary_codec.bytes_per_token`)."""
+    if fmt is None:
+        return hidden * value_bytes
+    return bytes_per_token(fmt, hidden, block_size if fmt in SCALED_BOUNDARY_DTYPES else None)
 
 
 def node_of(rank: int, procs_per_node: int) -> int:
@@ -190,6 +209,9 @@ def step_traffic(
     stage_balance: str = "layers",
     routing_seed: int = 0,
     routing_keys: Sequence[tuple[int, int]] | None = None,
+    boundary_dtype: str | None = None,
+    boundary_grad_dtype: str | None = None,
+    boundary_block_size: int | None = None,
 ) -> Traffic:
     """The bytes every rank sends per step, split into those that cross node boundaries and those that stay.
 
@@ -208,6 +230,8 @@ def step_traffic(
         routing_keys: ``(step, per-replica sample index)`` of the samples a run trained (``batch_size`` per
             step), e.g. a measured window: the pipeline bytes are then counted with the router's real
             permutations for them (``routing_seed``) instead of their expectation.
+        boundary_dtype / boundary_grad_dtype / boundary_block_size: the options of that name (``None``:
+            ``activation_bytes`` per value).
     """
     check_choice("routing", routing, ROUTINGS)
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("procs_per_node", procs_per_node)):
@@ -225,8 +249,13 @@ def step_traffic(
     if len(stage_params) != pp:
         raise ValueError(f"stage_params lists {len(stage_params)} stages, pipeline_stages={pp}.")
     hidden = _hidden_size(config)
-    forward_bytes = seq_len * hidden * activation_bytes + record_bytes_per_row(seq_len)
-    backward_bytes = seq_len * hidden * activation_bytes
+    check_boundary_formats(boundary_dtype, boundary_grad_dtype, boundary_block_size, False)
+    forward_bytes = seq_len * boundary_bytes_per_token(
+        hidden, activation_bytes, boundary_dtype, boundary_block_size
+    ) + record_bytes_per_row(seq_len)
+    backward_bytes = seq_len * boundary_bytes_per_token(
+        hidden, activation_bytes, boundary_grad_dtype, boundary_block_size
+    )
 
     def node(replica: int, stage: int) -> int:
         return node_of(replica * pp + stage, procs_per_node)

@@ -17,11 +17,17 @@ from tests.helpers.tiny_models import make_batch, shard, tiny_model
 SEQ, MICRO = 8, 2
 
 
-def _count_syncs(schedule: str):
+def _count_syncs(schedule: str, boundary: dict | None = None):
     mesh = PipelineMesh.build(2)
     stage = split_model(tiny_model("llama", 2, seed=5), mesh.stage, 2)
     engine = PipelineEngine(
-        stage, mesh, Router(mesh.num_replicas, "sample", seed=11), MICRO, p2p_timeout=30, schedule=schedule
+        stage,
+        mesh,
+        Router(mesh.num_replicas, "sample", seed=11),
+        MICRO,
+        p2p_timeout=30,
+        schedule=schedule,
+        **(boundary or {}),
     )
     syncs, per_step = HostSyncs(), []
     with nccl_like(syncs) as waits:
@@ -50,6 +56,22 @@ def test_no_host_sync_per_microbatch_in_the_steady_state(schedule):
         warmup, four, eight = result["steps"]
         assert result["seen"] == 1 and result["stream_waits"] > 0, result
         assert eight == four == {}, (result["rank"], schedule, four, eight)
+
+
+@pytest.mark.parametrize(
+    "boundary",
+    [
+        dict(boundary_dtype="int4", boundary_grad_dtype="int8", boundary_grad_stochastic_rounding=True),
+        dict(boundary_dtype="float8_e4m3", boundary_grad_dtype="float8_e5m2", boundary_block_size=8),
+    ],
+    ids=["int4-int8-stochastic", "fp8-blocks"],
+)
+def test_boundary_encoding_adds_no_host_sync(boundary):
+    """Encoding before each send and decoding where a packet is used are tensor operations only."""
+    for result in run_distributed(_count_syncs, 4, "1f1b", boundary, timeout_s=120):
+        warmup, four, eight = result["steps"]
+        assert result["seen"] == 1 and result["stream_waits"] > 0, result
+        assert eight == four == {}, (result["rank"], boundary, four, eight)
 
 
 def _outer_step_syncs(method: str, outer_dtype: str):

@@ -150,3 +150,24 @@ def test_bad_layouts_are_refused_with_a_clear_error():
     # hidden not divisible by any chosen block: one scale per token always fits
     y = bc.decode(bc.encode(torch.randn(3, 97), "int8"), "int8", (3, 97), torch.float32)
     assert y.shape == (3, 97)
+
+
+@pytest.mark.parametrize("fmt", bc.FORMATS)
+@pytest.mark.parametrize("block_size", [None, 32])
+def test_packet_layout_is_what_encode_makes(fmt, block_size):
+    """Receive buffers are shaped from packet_layout: it must name each packet tensor's dtype and elements per
+    token, and its bytes must be bytes_per_token's (written out: payload bits / 8 + 4 per scale group)."""
+    if fmt in bc.FLOAT_FORMATS and block_size is not None:
+        pytest.skip("float formats have no scales")
+    packet = bc.encode(_activations(), fmt, block_size)
+    layout = bc.packet_layout(fmt, HIDDEN, block_size)
+    assert [(t.dtype, t.shape[1]) for t in packet] == list(layout)
+    assert all(t.shape[0] == TOKENS for t in packet)
+    bits = {"float32": 32, "bfloat16": 16, "int8": 8, "float8_e4m3": 8, "float8_e5m2": 8, "int4": 4}[fmt]
+    groups = 0 if fmt in bc.FLOAT_FORMATS else HIDDEN // (block_size or HIDDEN)
+    expected = HIDDEN * bits // 8 + 4 * groups
+    assert (
+        sum(dtype.itemsize * n for dtype, n in layout)
+        == expected
+        == bc.bytes_per_token(fmt, HIDDEN, block_size)
+    )

@@ -27,6 +27,19 @@ from hf_noloco.engine.shape import routing_group_size
         ({"capacity_routing": True, "routing": "fixed"}, "capacity_routing needs routing='sample' or 'step'"),
         ({"capacity_rebalance_steps": 0}, "capacity_rebalance_steps must be a positive integer"),
         ({"capacity_floor": 1.5}, r"capacity_floor must be in \[0, 1\), got 1.5"),
+        ({"boundary_dtype": "int3"}, "boundary_dtype must be one of float32, bfloat16, .*, got 'int3'"),
+        ({"boundary_grad_dtype": "float16"}, "boundary_grad_dtype must be one of .*, got 'float16'"),
+        ({"boundary_block_size": 0, "boundary_dtype": "int8"}, "boundary_block_size must be a positive"),
+        ({"boundary_block_size": 64}, "boundary_block_size=64 sets the scale groups of a scaled boundary"),
+        ({"boundary_grad_stochastic_rounding": True}, "rounds a scaled gradient format.*got None"),
+        (
+            {
+                "boundary_dtype": "int4",
+                "boundary_grad_dtype": "bfloat16",
+                "boundary_grad_stochastic_rounding": True,
+            },
+            "set boundary_grad_dtype to one of float8_e4m3, float8_e5m2, int8, int4 \\(got 'bfloat16'\\)",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_the_option(tmp_path, overrides, message):
@@ -236,3 +249,25 @@ def test_more_processes_than_gpus_on_a_machine_is_refused_before_any_device_is_t
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     config.use_cpu = True  # what the message proposes
     check_config(config)
+
+
+def test_boundary_options_reach_the_config_and_a_bad_block_size_fails_at_the_engine(tmp_path):
+    """The four boundary options are fields (default: today's wire); a block size the hidden size refuses
+    fails where the model is known, in one line naming both (the same rule the engine calls)."""
+    from hf_noloco.engine.boundary_codec import packet_layout
+
+    config = NoLoCoConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        outer_optimizer="local",
+        boundary_dtype="int4",
+        boundary_grad_dtype="float8_e5m2",
+        boundary_block_size=64,
+        boundary_grad_stochastic_rounding=True,
+    )
+    assert (config.boundary_dtype, config.boundary_grad_dtype) == ("int4", "float8_e5m2")
+    assert config.boundary_block_size == 64 and config.boundary_grad_stochastic_rounding
+    default = NoLoCoConfig(output_dir=str(tmp_path), report_to="none", outer_optimizer="local")
+    assert default.boundary_dtype is None and default.boundary_grad_dtype is None
+    with pytest.raises(ValueError, match="block_size 64 does not divide hidden size 96"):
+        packet_layout("int4", 96, 64)
