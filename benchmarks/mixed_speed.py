@@ -17,7 +17,7 @@ sum(speeds) / dp (2.75 / 4 for the default). Ratios are taken within a round; th
 reported, with the machine's load average beside each round. The cgroups are removed at the end, also on
 errors and Ctrl-C.
 
-    python benchmarks/mixed_speed.py                 # 3 rounds, ~10 minutes on 2 shared cores
+    python benchmarks/mixed_speed.py --rounds 2      # about 3 minutes on 2 quiet cores
     python benchmarks/mixed_speed.py --quick         # smoke: one short round
 """
 
