@@ -76,21 +76,21 @@ class CapacityBalance:
         ]
         self.speeds = by_stage
         self.engine.route_by_capacity(by_stage, self.floor)
-        group = self.engine.router.group_size
+        group, floor = self.engine.router.group_size, self.engine.capacity_floor()  # the floor the rows use
         self.shares = []
         for s, row in enumerate(by_stage):
             shares = []
             for start in range(0, len(row), group):
-                shares += [float(x) for x in floored_shares(row[start : start + group], self.floor)]
+                shares += [float(x) for x in floored_shares(row[start : start + group], floor)]
             self.shares.append(shares)
             for r, share in enumerate(shares):
-                floored = self.floor > 0 and share <= self.floor
+                floored = floor > 0 and share <= floor
                 self._at_floor[s, r] = self._at_floor.get((s, r), 0) + 1 if floored else 0
                 if self._at_floor[s, r] == _FLOOR_WARNING_REBALANCES and mesh.rank == 0:
                     logger.warning(
                         "capacity_routing: replica %d of stage %d (%s) has been held at capacity_floor=%g "
                         "for %d rebalances: it runs at %.3g rows/s against a median of %.3g.",
-                        r, s, mesh.describe_rank(mesh.rank_of(r, s)), self.floor, _FLOOR_WARNING_REBALANCES,
+                        r, s, mesh.describe_rank(mesh.rank_of(r, s)), float(floor), _FLOOR_WARNING_REBALANCES,
                         row[r], sorted(row)[len(row) // 2],
                     )  # fmt: skip
 

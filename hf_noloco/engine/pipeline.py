@@ -214,14 +214,19 @@ class PipelineEngine:
         equal rows)."""
         if self.capacity is None:
             return None
-        speeds, floor = self.capacity
+        speeds, floor = self.capacity[0], self.capacity_floor()
         group, micro = self.router.group_size, self.microbatch_size
-        floor = max(Fraction(repr(floor)), Fraction(1, group * micro))  # at least one row per microbatch
         keys = (self.router.seed, self.step_index)
         return [
             [wave_counts(stage_speeds, micro, group, *keys, s, m, floor=floor) for m in range(num_micro)]
             for s, stage_speeds in enumerate(speeds)
         ]
+
+    def capacity_floor(self) -> Fraction:
+        """The least share of a routing group's rows a replica gets: the given floor, and at least one row
+        per microbatch."""
+        given = Fraction(repr(self.capacity[1])) if self.capacity is not None else Fraction(0)
+        return max(given, Fraction(1, self.router.group_size * self.microbatch_size))
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
         """Forward and backward of every microbatch of ``batch`` (gradients accumulate in ``.grad``)."""
@@ -509,7 +514,10 @@ class PipelineEngine:
         sends = []
         for msg in batch.sends:
             tensors = outgoing[msg.phase, msg.microbatch]
-            if msg.rows != tuple(range(self._rows_of(msg.microbatch))):  # the rows routed to this peer
+            # The rows routed to this peer. Without `into` a message lists them ascending (all of them iff as
+            # many); with it (capacity routing) a backward message lists them in its receiver's order.
+            n = self._rows_of(msg.microbatch)
+            if len(msg.rows) != n or (msg.into is not None and msg.rows != tuple(range(n))):
                 index = self._index(msg.rows)
                 tensors = tuple(t.index_select(0, index) for t in tensors)
             sends += [(t, msg.dst) for t in tensors]
@@ -595,7 +603,8 @@ class PipelineEngine:
     def _assemble(self, parts: list, micro: int) -> tuple[torch.Tensor, ...]:
         """The microbatch's tensors from the rows each peer sent (one peer: its message is the microbatch)."""
         rows = self._rows_of(parts[0][0].microbatch)  # micro, or this replica's share under capacity routing
-        if len(parts) == 1 and (parts[0][0].into or parts[0][0].rows) == tuple(range(rows)):
+        only = parts[0][0]
+        if len(parts) == 1 and (only.into is None or only.into == tuple(range(rows))):
             return parts[0][1]
         whole = tuple(t.new_empty(rows, *t.shape[1:]) for t in parts[0][1])
         for msg, buffers in parts:
@@ -614,8 +623,8 @@ class PipelineEngine:
         rows each to ``rows[m]``, drawn from ``(seed, -1, step, m)``."""
         mesh, me = self.mesh, self.mesh.replica
         equal = [micro] * mesh.num_replicas
-        parts_ids = [[None] * wave[me] for wave in rows]
-        parts_meta = [[None] * wave[me] for wave in rows]
+        ids_out = [input_ids.new_empty(wave[me], input_ids.shape[1]) for wave in rows]
+        meta_out = [meta.new_empty(wave[me], meta.shape[1]) for wave in rows]
         sends, recvs, landing = [], [], []
         for m, wave in enumerate(rows):
             pairs = boundary_pairs(
@@ -624,8 +633,9 @@ class PipelineEngine:
             for (src, dst), matched in sorted(pairs.items()):
                 mine = [m * micro + i for i, _ in matched]
                 if src == me and dst == me:
-                    for (_, j), row in zip(matched, mine):
-                        parts_ids[m][j], parts_meta[m][j] = input_ids[row], meta[row]
+                    index, into = self._index(tuple(mine)), self._index(tuple(j for _, j in matched))
+                    ids_out[m].index_copy_(0, into, input_ids.index_select(0, index))
+                    meta_out[m].index_copy_(0, into, meta.index_select(0, index))
                 elif src == me:
                     index = self._index(tuple(mine))
                     peer = mesh.rank_of(dst, 0)
@@ -637,7 +647,7 @@ class PipelineEngine:
                     )
                     peer = mesh.rank_of(src, 0)
                     recvs += [(buffers[0], peer), (buffers[1], peer)]
-                    landing.append((m, [j for _, j in matched], buffers))
+                    landing.append((m, tuple(j for _, j in matched), buffers))
         start = time.perf_counter()
         pending = exchange(
             sends, recvs, self.p2p_timeout, mesh.describe_rank, self._context("the input rows", None),
@@ -646,9 +656,10 @@ class PipelineEngine:
         wait_sends(pending, self.p2p_timeout, self._context("the input rows", None))
         self.wait_seconds += time.perf_counter() - start
         for m, slots, (ids, records) in landing:
-            for k, j in enumerate(slots):
-                parts_ids[m][j], parts_meta[m][j] = ids[k], records[k]
-        return [torch.stack(p) for p in parts_ids], [torch.stack(p) for p in parts_meta]
+            into = self._index(slots)
+            ids_out[m].index_copy_(0, into, ids)
+            meta_out[m].index_copy_(0, into, records)
+        return ids_out, meta_out
 
     def _context(self, phase: str, m: int | None) -> str:
         # Steps count from 1 in messages, as the Trainer's global_step does once the step is done.

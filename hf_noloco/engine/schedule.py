@@ -234,14 +234,17 @@ def capacity_links(
         )  # fmt: skip
 
     def links(m: int):
-        previous, following = routed(m)
-        if stage > 0 and not equal(stage - 1, m):
+        # today's peers, drawn only where a boundary's rows are equal on both sides
+        upstream_equal = stage == 0 or equal(stage - 1, m)
+        downstream_equal = stage == num_stages - 1 or equal(stage, m)
+        previous, following = routed(m) if upstream_equal or downstream_equal else ({}, {})
+        if not upstream_equal:
             previous = {
                 rank_of(src, stage - 1, num_stages): PeerRows(tuple(j for _, j in p), tuple(i for i, _ in p))
                 for (src, dst), p in sorted(pairs(stage - 1, m).items())
                 if dst == replica
             }
-        if stage < num_stages - 1 and not equal(stage, m):
+        if not downstream_equal:
             following = {
                 rank_of(dst, stage + 1, num_stages): PeerRows(tuple(i for i, _ in p), tuple(j for _, j in p))
                 for (src, dst), p in sorted(pairs(stage, m).items())
